@@ -1,0 +1,93 @@
+"""The building blocks of a decoder layer: RMSNorm, rotary embeddings, paged attention, gated MLP."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import ModelLoadError
+from engine.model.batch import ForwardBatch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class Rotary:
+    """Rotary position embedding in the half-split (HF) layout, with llama3/linear scaling and GGUF freq factors."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None, freq_factors: torch.Tensor | None,
+                 device: torch.device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        self.position_scale = 1.0
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.double()
+        if scaling:
+            kind = scaling.get("rope_type")
+            if kind == "linear":
+                self.position_scale = 1.0 / float(scaling["factor"])
+            elif kind == "llama3":
+                inv_freq = _llama3_inv_freq(inv_freq, scaling)
+            else:
+                raise ModelLoadError(f"RoPE scaling '{kind}' is not supported.",
+                                     "Supported: default, linear, llama3.")
+        self.inv_freq = inv_freq
+        self.device = device
+        self.cos = self.sin = torch.empty(0)
+
+    def _extend(self, n: int) -> None:
+        n = max(n, 2 * self.cos.shape[0], 4096)
+        t = torch.arange(n, dtype=torch.float64) * self.position_scale
+        freqs = torch.outer(t, self.inv_freq)
+        self.cos = freqs.cos().float().to(self.device)
+        self.sin = freqs.sin().float().to(self.device)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:
+        """x: [T, H, D]; rotates each head of each token by its position."""
+        if max_position >= self.cos.shape[0]:
+            self._extend(max_position + 1)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+                    scale: float) -> torch.Tensor:
+    """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens. Writes k/v into the pages, then attends each sequence
+    over its whole context (earlier pages plus this step), causally within the step."""
+    cache = batch.kv
+    cache.write(layer, batch.slots, k, v)
+    out = torch.empty_like(q)
+    for s in batch.seqs:
+        keys, values = cache.gather(layer, s.pages, s.ctx_len)  # [ctx, Hkv, D]
+        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
+        kt, vt = keys.transpose(0, 1), values.transpose(0, 1)
+        if s.q_len == 1:
+            o = F.scaled_dot_product_attention(qs, kt, vt, scale=scale, enable_gqa=True)
+        elif s.q_len == s.ctx_len:
+            o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=s.causal_mask(q.device), scale=scale,
+                                               enable_gqa=True)
+        out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+    return out

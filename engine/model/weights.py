@@ -1,0 +1,89 @@
+"""What a loader hands the model: its config, its tensors under HF names, and how they were stored."""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.errors import ModelLoadError, NInferError
+from engine.model.config import ModelConfig
+
+Progress = Callable[[float, str], None]
+
+
+class LoadCancelled(NInferError):
+    def __init__(self):
+        super().__init__("Model loading was cancelled.")
+
+
+@dataclass
+class LoadedWeights:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # HF names, e.g. model.layers.0.self_attn.q_proj.weight, float32 on CPU
+    source_format: str  # "gguf" | "hf"
+    storage: dict[str, str] = field(default_factory=dict)  # tensor name -> stored type (Q4_1, F32, bf16, ...)
+
+    def storage_summary(self) -> str:
+        counts: dict[str, int] = {}
+        for kind in self.storage.values():
+            counts[kind] = counts.get(kind, 0) + 1
+        return ", ".join(f"{n} x {k}" for k, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the forward pass reads, with its shape (out_features, in_features) for linears."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+        if cfg.attention_bias:
+            for n, size in (("q", q), ("k", kv), ("v", kv)):
+                shapes[p + f"self_attn.{n}_proj.bias"] = (size,)
+    return shapes
+
+
+def check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Every expected tensor is present with the expected shape, or a ModelLoadError lists what is wrong."""
+    problems = []
+    for name, shape in expected_shapes(cfg).items():
+        t = tensors.get(name)
+        if t is None:
+            problems.append(f"missing {name}")
+        elif tuple(t.shape) != shape:
+            problems.append(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ModelLoadError(f"{where} does not match its own configuration: {shown}.",
+                             "The file is incomplete or damaged; download or convert it again.")
+
+
+class Ticker:
+    """Reports load progress and honours cancellation between tensors."""
+
+    def __init__(self, total: int, progress: Progress | None, cancel: threading.Event | None):
+        self.total, self.done, self.progress, self.cancel = max(total, 1), 0, progress, cancel
+
+    def step(self, message: str) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise LoadCancelled()
+        self.done += 1
+        if self.progress is not None:
+            self.progress(min(self.done / self.total, 1.0), message)

@@ -1,0 +1,64 @@
+"""Runs the model over scheduled work: builds the flat token batch and its page/slot metadata, returns logits."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv.cache import KVCache
+from engine.kv.pages import PagePool
+from engine.model.batch import ForwardBatch, SeqSlice
+
+
+@dataclass
+class Work:
+    """Compute `tokens` of one sequence, which start at position `start`; its KV pages are `pages`."""
+    tokens: list[int]
+    start: int
+    pages: list[int]
+    logits: str | None = "last"  # "last", "all" or None
+
+
+class ModelRunner:
+    def __init__(self, model, num_pages: int, kv_dtype: torch.dtype, page_size: int = 64):
+        cfg = model.cfg
+        self.model = model
+        self.device = model.device
+        self.kv = KVCache(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, kv_dtype, model.device,
+                          page_size)
+        self.pool = PagePool(num_pages, page_size)
+        self.page_size = page_size
+
+    def run(self, works: list[Work]) -> list[torch.Tensor | None]:
+        ids, positions, slots, seqs, rows = [], [], [], [], []
+        row_spans: list[tuple[int, int] | None] = []
+        q_start = 0
+        for w in works:
+            n = len(w.tokens)
+            ctx = w.start + n
+            pos = list(range(w.start, ctx))
+            ids.extend(w.tokens)
+            positions.extend(pos)
+            slots.extend(w.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
+            pages = torch.tensor(w.pages[: -(-ctx // self.page_size)], dtype=torch.long, device=self.device)
+            seqs.append(SeqSlice(q_start, n, ctx, pages))
+            if w.logits == "all":
+                row_spans.append((len(rows), n))
+                rows.extend(range(q_start, q_start + n))
+            elif w.logits == "last":
+                row_spans.append((len(rows), 1))
+                rows.append(q_start + n - 1)
+            else:
+                row_spans.append(None)
+            q_start += n
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slots=torch.tensor(slots, dtype=torch.long, device=dev),
+            seqs=seqs, kv=self.kv,
+            logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            max_position=max(positions),
+        )
+        logits = self.model.forward(batch) if rows else None
+        return [None if span is None else logits[span[0]:span[0] + span[1]] for span in row_spans]

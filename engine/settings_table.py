@@ -1,0 +1,169 @@
+"""The table of every NInfer setting: each knob is declared here exactly once.
+
+``engine.config`` reads this table to build the command-line parser, read environment variables and TOML
+files, validate values, print the effective configuration and generate docs/CONFIG.md. The desktop app reads it
+for its settings form (``help`` is the tooltip; ``type``, ``choices``, ``minimum`` and ``maximum`` pick the widget).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+# Display order of the groups; SETTINGS is sorted this way.
+GROUPS = ("server", "model", "memory", "speculative", "sampling", "performance")
+
+# NINFER_* environment variables that are not settings but are used legitimately: never warned about.
+ENV_ALLOWED = ("NINFER_HOME",)
+ENV_ALLOWED_PREFIXES = ("NINFER_TEST_",)
+
+# What would provide the features that are declared but not available in this version.
+_KERNELS = "comes with the kernels work"
+_KV = "comes with the KV-memory work"
+_SPEC = "speculative decoding comes with the speculative-decoding work"
+
+
+def _always(value: Any) -> bool:
+    return True
+
+
+def _only(*values: Any) -> Callable[[Any], bool]:
+    """An ``available`` predicate accepting exactly ``values`` (compared with == and the same type)."""
+    return lambda value: any(value == v and type(value) is type(v) for v in values)
+
+
+def _not_blank(value: Any) -> str | None:
+    return "must not be empty or contain spaces" if not value or any(c.isspace() for c in value) else None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One knob: its name is the TOML key and the ``Settings`` attribute; ``flag`` and ``env`` are derived from it."""
+
+    name: str  # snake_case; the TOML key and the attribute name
+    flag: str  # --kebab-case
+    env: str  # NINFER_UPPER_SNAKE
+    type: type  # str, int, float, bool, or list (a list of str)
+    default: Any
+    help: str  # one user-facing sentence (the app's tooltip)
+    choices: tuple[str, ...] | None = None
+    group: str = "server"
+    minimum: float | None = None
+    maximum: float | None = None
+    exclusive_minimum: bool = False  # the value must be strictly above ``minimum``
+    allow_auto: bool = False  # a number setting that also accepts the string "auto"
+    nullable: bool = False  # None (unset) is a valid value; an empty string from env/TOML means None
+    validator: Callable[[Any], str | None] | None = None  # extra check: returns what is wrong, or None
+    available: Callable[[Any], bool] = _always  # does this version support this value?
+    needs: str = ""  # what would provide the values ``available`` rejects
+    default_means: str = ""  # what the default (0 / auto / unset) stands for, shown in docs and --print-config
+    aliases: tuple[tuple[str, str], ...] = ()  # extra spellings of choices, e.g. ("1", "on")
+    positional: bool = False  # also accepted as the optional positional argument
+
+
+def _s(name: str, type_: type, default: Any, help: str, **kw: Any) -> Setting:
+    return Setting(name, "--" + name.replace("_", "-"), "NINFER_" + name.upper(), type_, default, help, **kw)
+
+
+def _group(group: str, *settings: Setting) -> tuple[Setting, ...]:
+    return tuple(replace(s, group=group) for s in settings)
+
+
+_KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "k8v8", "k8v4", "k4v4", "rk4v4")
+_SPECS = ("none", "ngram", "draft", "mtp", "dflash2")
+
+SETTINGS: tuple[Setting, ...] = (
+    *_group(
+        "server",
+        _s("model", str, None, "Path to the model file or folder to serve; leave unset to serve the embedded default model.",
+           nullable=True, positional=True, default_means="the embedded default model"),
+        _s("host", str, "127.0.0.1", "Address the API server listens on; 127.0.0.1 accepts connections from this computer only.",
+           validator=_not_blank),
+        _s("port", int, 8080, "TCP port the API server listens on.", minimum=1, maximum=65535),
+        _s("model_id", list, [], "Name clients put in the API's model field; repeat the flag (or separate with commas) to give several.",
+           validator=lambda ids: next((f"{i!r} must not contain spaces" for i in ids if _not_blank(i)), None),
+           default_means="derived from the model file name"),
+        _s("log_level", str, "info", "How much the server logs.", choices=("debug", "info", "warning", "error")),
+    ),
+    *_group(
+        "model",
+        _s("device", str, "auto", "Where the model runs; auto uses the GPU when there is one, otherwise the CPU.",
+           choices=("auto", "cpu", "cuda")),
+        _s("weight_dtype", str, "auto", "Number format of the model weights in memory; auto picks the best one for the device.",
+           choices=("auto", "fp32", "bf16", "fp16", "int8", "int4", "ternary"),
+           available=_only("auto", "fp32", "bf16", "fp16"), needs="int8, int4 and ternary weights come with the low-bit kernels"),
+        _s("max_context", int, 0, "Longest conversation (prompt plus reply) in tokens; 0 uses the model's own context length.",
+           minimum=0, default_means="the model's own context length"),
+        _s("gdn_state_fp16", bool, False, "Keep the Gated-DeltaNet recurrent state in fp16 to save memory.",
+           available=_only(False), needs="no Gated-DeltaNet models are supported yet"),
+    ),
+    *_group(
+        "memory",
+        _s("kv_capacity", int, "auto", "Tokens the KV cache holds across all requests; auto sizes it from free memory minus the headroom.",
+           minimum=64, allow_auto=True, default_means="sized from free memory minus kv_headroom_mib"),
+        _s("kv_headroom_mib", int, 1024, "Memory in MiB left free for other programs when the KV cache is sized automatically.",
+           minimum=0),
+        _s("kv_dtype", str, "auto", "Number format of the KV cache; the k/v variants are quantized to save memory.",
+           choices=_KV_DTYPES, available=_only("auto", "fp32", "fp16", "bf16"), needs="quantized KV " + _KV),
+        _s("host_kv_mib", int, 0, "MiB of host (CPU) memory used to extend the KV cache beyond GPU memory.",
+           minimum=0, available=_only(0), needs="host-memory KV " + _KV),
+        _s("max_shared_prefixes", int, "auto", "How many common prompt prefixes stay cached for reuse; 0 turns prefix sharing off.",
+           minimum=0, allow_auto=True, available=_only("auto", 0), needs="shared prefixes come with the prefix-cache work",
+           default_means="decided from the KV capacity"),
+        _s("kv_window", int, 0, "Tokens of each conversation kept on the GPU; 0 keeps the whole context on the GPU.",
+           minimum=0, available=_only(0), needs="windowed KV " + _KV, default_means="the whole context on the GPU"),
+        _s("kv_retrieve", int, 0, "Tokens of older context fetched back to the GPU per step when a window is used.",
+           minimum=0, available=_only(0), needs="KV retrieval " + _KV, default_means="no retrieval"),
+        _s("kv_ring", str, "auto", "Whether the KV cache may wrap around as a ring when it is smaller than the context.",
+           choices=("auto", "on", "off"), aliases=(("1", "on"), ("0", "off")), available=_only("auto", "off"),
+           needs="ring KV " + _KV),
+        _s("host_pageable", bool, False, "Use ordinary pageable host memory for the host KV instead of pinned memory.",
+           available=_only(False), needs="pageable host KV " + _KV),
+        _s("kv_reuse_hostbacked", bool, False, "Reuse cached prefixes that were moved to host memory.",
+           available=_only(False), needs="host-backed KV reuse " + _KV),
+    ),
+    *_group(
+        "speculative",
+        _s("spec", str, "none", "Speculative decoding method used to generate several tokens per step.",
+           choices=_SPECS, available=_only("none"), needs=_SPEC),
+        _s("draft_tokens", int, 0, "Tokens drafted per step by the speculative method; 0 uses the method's default.",
+           minimum=0, available=_only(0), needs=_SPEC, default_means="the method's default"),
+        _s("draft_model", str, None, "Path to the small model that drafts tokens for --spec draft.",
+           nullable=True, available=_only(None), needs=_SPEC, default_means="no draft model"),
+        _s("lm_head_draft", bool, False, "Draft tokens with a truncated output layer of the main model.",
+           available=_only(False), needs=_SPEC),
+    ),
+    *_group(
+        "sampling",
+        _s("default_max_tokens", int, 4096, "Longest reply in tokens when a request does not set max_tokens.", minimum=1),
+        _s("default_reasoning_effort", str, "auto", "Reasoning effort used when a request does not set one; auto lets the model decide.",
+           choices=("auto", "none", "low", "medium", "high")),
+        _s("mode", str, "chat", "Sampling preset for requests: chat is more varied, agent is more deterministic for tool use.",
+           choices=("chat", "agent")),
+        _s("temperature", float, None, "Default sampling temperature (0 to 2); unset uses the mode's value.",
+           nullable=True, minimum=0.0, maximum=2.0, default_means="from --mode"),
+        _s("top_p", float, None, "Default nucleus-sampling probability (above 0, up to 1); unset uses the mode's value.",
+           nullable=True, minimum=0.0, maximum=1.0, exclusive_minimum=True, default_means="from --mode"),
+        _s("top_k", int, None, "Default number of most likely tokens sampled from (0 turns it off); unset uses the mode's value.",
+           nullable=True, minimum=0, default_means="from --mode"),
+        _s("min_p", float, None, "Default minimum token probability relative to the most likely token (0 to 1); unset means 0.",
+           nullable=True, minimum=0.0, maximum=1.0, default_means="0"),
+        _s("presence_penalty", float, None, "Default penalty (-2 to 2) for tokens already present; unset uses the mode's value.",
+           nullable=True, minimum=-2.0, maximum=2.0, default_means="from --mode"),
+        _s("frequency_penalty", float, None, "Default penalty (-2 to 2) growing with how often a token was used; unset means 0.",
+           nullable=True, minimum=-2.0, maximum=2.0, default_means="0"),
+        _s("greedy", bool, False, "Always pick the most likely token (temperature 0), whatever the other sampling settings say."),
+    ),
+    *_group(
+        "performance",
+        _s("threads", int, 0, "CPU threads used for computing on the CPU; 0 uses all CPU threads.",
+           minimum=0, default_means="auto: all CPU threads"),
+        _s("cuda_graphs", str, "auto", "Capture decoding steps as CUDA graphs to cut launch overhead.",
+           choices=("auto", "on", "off"), available=_only("auto", "off"), needs="CUDA graphs " + _KERNELS),
+        _s("prefill_cublas", bool, False, "Use cuBLAS matrix multiplies while reading the prompt.",
+           available=_only(False), needs="cuBLAS prefill " + _KERNELS),
+        _s("prefill_chunk", int, 512, "Prompt tokens processed per step; bigger is faster but needs more memory.", minimum=16),
+        _s("max_concurrency", int, 4, "Requests generated at the same time; more wait in a queue.", minimum=1, maximum=256),
+    ),
+)
