@@ -333,5 +333,6 @@ def resolve_device(requested: str = "auto", report: HardwareReport | None = None
         else:
             problem = f"no NVIDIA GPU was found (NVML: {report.nvml})."
         remedy = problems[0].remedy if problems else "Install the NVIDIA driver and a CUDA build of PyTorch."
+        remedy = remedy.split("; the engine")[0].rstrip(".") + "."  # it will not fall back: it stops
         raise NInferError(f"{asked} {problem}", f'{remedy} Or use device "auto" or "cpu".')
     return report.device

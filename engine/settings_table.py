@@ -33,6 +33,19 @@ def _only(*values: Any) -> Callable[[Any], bool]:
     return lambda value: any(value == v and type(value) is type(v) for v in values)
 
 
+def show_value(value: Any) -> str:
+    """A value as the user would write it: true/false, unset, comma-separated lists; blank text is quoted."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value)) if value else "[]"
+    if isinstance(value, str) and (not value or any(c.isspace() for c in value)):
+        return repr(value)
+    return str(value)
+
+
 def _not_blank(value: Any) -> str | None:
     return "must not be empty or contain spaces" if not value or any(c.isspace() for c in value) else None
 
@@ -60,6 +73,32 @@ class Setting:
     default_means: str = ""  # what the default (0 / auto / unset) stands for, shown in docs and --print-config
     aliases: tuple[tuple[str, str], ...] = ()  # extra spellings of choices, e.g. ("1", "on")
     positional: bool = False  # also accepted as the optional positional argument
+
+    def values_text(self) -> str:
+        """The accepted values in words, e.g. "auto, cpu, cuda" or "1 to 65535"."""
+        if self.choices:
+            return ", ".join(self.choices)
+        if self.type in (bool, list, str):
+            return {bool: "true, false", list: "list of names"}.get(self.type, "path" if self.nullable else "text")
+        lo, hi = self.minimum, self.maximum
+        text = f"{lo} to {hi}" if lo is not None and hi is not None else f">= {lo}" if lo is not None else "number"
+        if self.exclusive_minimum:
+            text = f"above {lo}, up to {hi}"
+        return ("auto or " if self.allow_auto else "") + text + (", or unset" if self.nullable else "")
+
+    def availability(self) -> str:
+        """Either "yes", or which values this version supports and what would provide the others."""
+        if not self.needs:
+            return "yes"
+        if self.choices or self.type is bool:
+            candidates: list[Any] = list(self.choices or (False, True))
+        else:
+            zero = [0] if self.minimum == 0 else []
+            candidates = list(dict.fromkeys([self.default] + (["auto"] if self.allow_auto else []) + zero))
+        ok = [c for c in candidates if self.available(c)]
+        if len(ok) == len(candidates) and (self.choices or self.type is bool):
+            return "yes"
+        return f"only {', '.join(show_value(c) for c in ok)} ({self.needs})"
 
 
 def _s(name: str, type_: type, default: Any, help: str, **kw: Any) -> Setting:
@@ -160,7 +199,7 @@ SETTINGS: tuple[Setting, ...] = (
         _s("threads", int, 0, "CPU threads used for computing on the CPU; 0 uses all CPU threads.",
            minimum=0, default_means="auto: all CPU threads"),
         _s("cuda_graphs", str, "auto", "Capture decoding steps as CUDA graphs to cut launch overhead.",
-           choices=("auto", "on", "off"), available=_only("auto", "off"), needs="CUDA graphs " + _KERNELS),
+           choices=("auto", "on", "off"), available=_only("auto", "off"), needs="CUDA graphs come with the kernels work"),
         _s("prefill_cublas", bool, False, "Use cuBLAS matrix multiplies while reading the prompt.",
            available=_only(False), needs="cuBLAS prefill " + _KERNELS),
         _s("prefill_chunk", int, 512, "Prompt tokens processed per step; bigger is faster but needs more memory.", minimum=16),

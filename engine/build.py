@@ -1,0 +1,100 @@
+"""Putting an engine together: device, dtypes, weights, KV capacity, tokenizer."""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from engine.engine import Engine
+from engine.errors import NInferError
+from engine.kv.cache import PAGE_SIZE, KVCache
+from engine.model.config import ModelConfig
+from engine.model.llama import LlamaModel
+from engine.model.loader import load_weights
+from engine.model.weights import Progress
+from engine.runner import ModelRunner
+
+log = logging.getLogger("ninfer.build")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+CPU_KV_RAM_FRACTION = 0.25  # of available host RAM, for kv-capacity auto on the CPU
+
+
+@dataclass
+class LoadedEngine:
+    engine: Engine
+    tokenizer: "object"  # engine.tokenizer.Tokenizer
+    config: ModelConfig
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+    load_seconds: float = 0.0
+
+    @property
+    def context_window(self) -> int:
+        return self.engine.max_context
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def kv_pages(capacity: str | int, cfg: ModelConfig, max_context: int, max_concurrency: int,
+             kv_dtype: torch.dtype, device: torch.device, headroom_mib: int) -> int:
+    """Pages in the KV pool: an explicit token count, or what memory allows (never more than all sequences at
+    full context need)."""
+    pages_per_seq = -(-max_context // PAGE_SIZE)
+    if capacity != "auto":
+        return max(-(-int(capacity) // PAGE_SIZE), 1)
+    want = pages_per_seq * max_concurrency
+    page_bytes = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype) * PAGE_SIZE
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free - headroom_mib * 2**20
+    else:
+        budget = int(psutil.virtual_memory().available * CPU_KV_RAM_FRACTION)
+    fits = budget // page_bytes
+    if fits < pages_per_seq:
+        need_mib = pages_per_seq * page_bytes / 2**20
+        raise NInferError(f"The KV cache for one sequence of {max_context} tokens needs {need_mib:.0f} MiB, "
+                          f"but only {max(budget, 0) / 2**20:.0f} MiB are available for it.",
+                          "Lower --max-context, or free memory (close other programs), or set --kv-capacity.")
+    return int(min(want, fits))
+
+
+def build_engine(model: str | Path | None = None, *, device: str = "auto", weight_dtype: str = "auto",
+                 kv_dtype: str = "auto", max_context: int = 0, kv_capacity: str | int = "auto",
+                 kv_headroom_mib: int = 1024, max_concurrency: int = 4, prefill_chunk: int = 512, threads: int = 0,
+                 progress: Progress | None = None, cancel: threading.Event | None = None) -> LoadedEngine:
+    import time
+
+    from engine.hardware import resolve_device
+    from engine.tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    dev = torch.device(resolve_device(device))
+    if threads and dev.type == "cpu":
+        torch.set_num_threads(threads)
+    path, weights = load_weights(model, progress, cancel)
+    cfg = weights.config
+    log.info("loaded %s (%s, %s): %s", path.name, cfg.arch, weights.source_format, weights.storage_summary())
+    tokenizer = Tokenizer.from_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
+    wdtype = pick_dtype(weight_dtype, dev)
+    kdtype = pick_dtype(kv_dtype, dev)
+    net = LlamaModel(weights, wdtype, dev)
+    del weights
+    if max_context > cfg.max_position:
+        raise NInferError(f"--max-context {max_context} is beyond this model's trained context of "
+                          f"{cfg.max_position} tokens.", f"Use --max-context {cfg.max_position} or less (0 = the model's).")
+    context = max_context or cfg.max_position
+    pages = kv_pages(kv_capacity, cfg, context, max_concurrency, kdtype, dev, kv_headroom_mib)
+    runner = ModelRunner(net, pages, kdtype, PAGE_SIZE)
+    engine = Engine(runner, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=context,
+                    eos_ids=tokenizer.eos_token_ids)
+    return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0)

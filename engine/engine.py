@@ -1,0 +1,181 @@
+"""The engine thread: takes requests from any thread, runs scheduler steps, streams outputs back."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+
+from engine.errors import NInferError
+from engine.runner import ModelRunner, Work
+from engine.sampling import SamplingParams, sample_token
+from engine.scheduler import Scheduler
+from engine.sequence import RequestOutput, Sequence, TokenLogprob
+from engine.stream import RequestStream
+
+log = logging.getLogger("ninfer.engine")
+
+
+class ContextLengthError(NInferError):
+    def __init__(self, prompt_tokens: int, limit: int, what: str):
+        self.prompt_tokens, self.limit = prompt_tokens, limit
+        super().__init__(f"The prompt has {prompt_tokens} tokens; {what} allows at most {limit - 1} "
+                         f"(one token must remain for the answer).",
+                         "Shorten the prompt, or raise --max-context / --kv-capacity if memory allows.")
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, *, max_concurrency: int, prefill_chunk: int, max_context: int,
+                 eos_ids: frozenset[int] = frozenset()):
+        self.runner = runner
+        self.pool = runner.pool
+        self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk)
+        self.max_context = max_context
+        self.eos_ids = eos_ids
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.counters = dict(requests=0, finished=0, aborted=0, errors=0, prefill_tokens=0, decode_tokens=0,
+                             prefill_seconds=0.0, decode_seconds=0.0, steps=0)
+
+    # ---- the API other threads call -------------------------------------------------------------------------
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ninfer-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._commands.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+               loop=None) -> RequestStream:
+        """Queues a request; raises NInferError at once when it can never run. Thread-safe."""
+        params.validate()
+        if not prompt:
+            raise NInferError("The prompt is empty.", "Send at least one token of input.")
+        capacity = self.pool.num_pages * self.pool.page_size
+        if len(prompt) >= self.max_context:
+            raise ContextLengthError(len(prompt), self.max_context, "the context length")
+        if len(prompt) >= capacity:
+            raise ContextLengthError(len(prompt), capacity, "the KV cache capacity")
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(request_id, self.abort, loop)
+        seq = Sequence(request_id, list(prompt), params, min(self.max_context, capacity), stream.push, self.eos_ids)
+        self._commands.put(("submit", (seq, stream)))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
+        """Blocking convenience: the whole completion's token ids."""
+        return [t for out in self.submit(prompt, params) for t in out.token_ids]
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return dict(self.counters, running=len(s.running), waiting=len(s.waiting), preemptions=s.preemptions,
+                    pages_total=self.pool.num_pages, pages_free=self.pool.num_free, page_size=self.pool.page_size)
+
+    # ---- the engine thread ----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            try:
+                if not self._drain(block=not self.scheduler.has_work()):
+                    break
+                if self.scheduler.has_work():
+                    self._step()
+            except Exception as e:  # a failed step must not take the engine down
+                log.exception("engine step failed")
+                self._fail_all(f"The engine failed during a step: {type(e).__name__}: {e}")
+        self._fail_all("The engine is shutting down.", reason="abort")
+
+    def _drain(self, block: bool) -> bool:
+        """Applies queued commands; False when asked to stop."""
+        try:
+            cmd = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            kind, arg = cmd
+            if kind == "stop":
+                return False
+            if kind == "submit":
+                seq, stream = arg
+                self._streams[seq.request_id] = stream
+                self.scheduler.add(seq)
+                self.counters["requests"] += 1
+            elif kind == "abort":
+                seq = self.scheduler.find(arg)
+                if seq is not None:
+                    self._end(seq, "abort")
+                    self.counters["aborted"] += 1
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return
+        works = []
+        for seq, n in plan:
+            start = seq.num_computed
+            done = start + n == len(seq.tokens)
+            works.append(Work(seq.tokens[start:start + n], start, seq.pages, "last" if done else None))
+        t0 = time.perf_counter()
+        logits = self.runner.run(works)
+        self._account(plan, time.perf_counter() - t0)
+        for (seq, n), rows in zip(plan, logits):
+            seq.num_computed += n
+            if rows is None:
+                continue
+            token, logprobs = sample_token(rows[-1], seq.params, seq.prompt, seq.output, seq.generator)
+            seq.append(token)
+            out = RequestOutput(seq.request_id, [token], prompt_tokens=len(seq.prompt),
+                                completion_tokens=len(seq.output))
+            if seq.params.logprobs is not None:
+                out.logprobs = [_token_logprob(token, logprobs, seq.params.logprobs)]
+            if seq.finish_reason:
+                self.scheduler.finish(seq, seq.finish_reason)
+                out.finished, out.finish_reason = True, seq.finish_reason
+                self._streams.pop(seq.request_id, None)
+                self.counters["finished"] += 1
+            seq.sink(out)
+
+    def _account(self, plan, seconds: float) -> None:
+        c = self.counters
+        c["steps"] += 1
+        prefill = sum(n for _, n in plan if n > 1)
+        decode = sum(1 for _, n in plan if n == 1)
+        c["prefill_tokens"] += prefill
+        c["decode_tokens"] += decode
+        total = prefill + decode
+        c["prefill_seconds"] += seconds * prefill / total
+        c["decode_seconds"] += seconds * decode / total
+
+    def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish(seq, reason)
+        self._streams.pop(seq.request_id, None)
+        seq.sink(RequestOutput(seq.request_id, [], True, reason, len(seq.prompt), len(seq.output), error=error))
+
+    def _fail_all(self, message: str, reason: str = "error") -> None:
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._end(seq, reason, message if reason == "error" else None)
+            self.counters["errors" if reason == "error" else "aborted"] += 1
+
+
+def _token_logprob(token: int, logprobs, top_n: int) -> TokenLogprob:
+    top = []
+    if top_n:
+        values, ids = logprobs.topk(top_n)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token, float(logprobs[token]), top)
+
+

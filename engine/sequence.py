@@ -1,0 +1,76 @@
+"""One request inside the engine: its tokens, its KV pages, and what it has produced."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """What the engine reports for a request after a step: the tokens it added, and whether it ended."""
+    request_id: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_context: int
+    sink: Callable[[RequestOutput], None]
+    eos_ids: frozenset[int] = frozenset()
+    output: list[int] = field(default_factory=list)
+    tokens: list[int] = field(init=False)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self):
+        self.tokens = list(self.prompt)
+        self.generator = self.params.make_generator()
+
+    @property
+    def to_compute(self) -> int:
+        """Tokens whose KV is not yet computed; 1 means the sequence is decoding."""
+        return len(self.tokens) - self.num_computed
+
+    def append(self, token: int) -> None:
+        self.output.append(token)
+        self.tokens.append(token)
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        p = self.params
+        if not p.ignore_eos and token in self.eos_ids or token in p.stop_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output) >= p.max_tokens or len(self.tokens) >= self.max_context:
+            self.finish_reason = "length"
