@@ -1,0 +1,40 @@
+"""The FastAPI application: routes of the OpenAI-compatible API and the server's own health check."""
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from engine.server import errors
+from engine.server.chat import chat_completions
+from engine.server.schemas import ChatCompletionRequest
+from engine.server.state import ServerState
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="NInfer", summary="OpenAI-compatible local inference", version="0.1.0")
+    errors.install(app)
+    app.state.ninfer = state
+    state.created = int(time.time())
+
+    @app.get("/health")
+    async def health():
+        if state.loaded is not None:
+            return {"status": "ok"}
+        status = "error" if state.load_error else "loading"
+        return JSONResponse({"status": status, "progress": round(state.load_progress, 3),
+                             "error": state.load_error}, status_code=503)
+
+    @app.get("/v1/models")
+    async def list_models():
+        ctx = state.loaded.context_window if state.loaded is not None else None
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": state.created, "owned_by": "ninfer",
+             "context_window": ctx, "max_model_len": ctx} for m in state.model_ids]}
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(req: ChatCompletionRequest):
+        return await chat_completions(req, state)
+
+    return app

@@ -1,0 +1,35 @@
+"""What the server holds: the loaded engine (None while loading), the settings and the served model ids."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import Settings, sampling_defaults
+from engine.server.errors import APIError
+
+
+@dataclass
+class ServerState:
+    settings: Settings
+    model_ids: list[str]
+    loaded: "object | None" = None  # engine.build.LoadedEngine
+    load_error: str | None = None
+    load_progress: float = 0.0
+    created: int = 0
+    defaults: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.defaults = sampling_defaults(self.settings)
+
+    def ready(self):
+        if self.loaded is None:
+            if self.load_error:
+                raise APIError(503, f"The model failed to load: {self.load_error}", code="model_load_failed")
+            raise APIError(503, f"The model is still loading ({self.load_progress:.0%}); retry in a moment.",
+                           code="model_loading", headers={"Retry-After": "2"})
+        return self.loaded
+
+    def check_model(self, requested: str) -> None:
+        if requested not in self.model_ids:
+            raise APIError(404, f"The model '{requested}' does not exist on this server; it serves "
+                                f"{', '.join(repr(m) for m in self.model_ids)}.", code="model_not_found",
+                           param="model")
