@@ -1,0 +1,261 @@
+"""``ninfer-bench``: single-request latency and throughput of our engine, side by side with HF transformers.
+
+Both run in this process on the same model, dtype, device, thread count and prompt token ids, with greedy
+decoding that never stops early. Each measurement is a discarded warm-up run followed by ``--repeat`` runs,
+of which the median is reported. Decode bandwidth is reported the way gpt-fast does: the bytes one decode
+step must read (all weights, plus the KV cache at the mean context) times decode tokens per second.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Deterministic English filler; repeated until the prompt is long enough, then cut to the exact token count.
+FILLER = (
+    "The history of the lighthouse is a story of engineering, weather and patience. Early keepers burned wood "
+    "and coal in open braziers on towers of stone, and sailors learned to read the coast by the rhythm of the "
+    "lights. Later lamps used oil and mirrors, then glass lenses that bent the beam into a narrow band visible "
+    "for many miles. Each station kept a logbook of storms, ships and repairs, and the keepers trimmed wicks, "
+    "polished brass and wound the clockwork that turned the lens through the night. "
+)
+METRICS = (  # key, label, format, whether higher is better
+    ("ttft_s", "TTFT (ms)", lambda v: f"{v * 1e3:.1f}", False),
+    ("prefill_tps", "prefill tok/s", lambda v: f"{v:.1f}", True),
+    ("decode_tps", "decode tok/s", lambda v: f"{v:.2f}", True),
+    ("decode_gbps", "decode GB/s", lambda v: f"{v:.2f}", True),
+)
+
+
+def build_prompt(tokenizer, n: int) -> list[int]:
+    """Exactly n token ids of the filler text, as our tokenizer encodes it (no special tokens)."""
+    text, ids = FILLER, tokenizer.encode(FILLER)
+    while len(ids) < n:
+        text += FILLER
+        ids = tokenizer.encode(text)
+    return ids[:n]
+
+
+def decode_bytes_per_token(weight_bytes: int, kv_bytes_per_position: int, prompt_tokens: int, gen_tokens: int) -> float:
+    """Bytes one decode step reads: every weight, plus the KV at the mean decode context. Decode steps see
+    contexts prompt+1 .. prompt+gen-1, whose mean is prompt + gen/2."""
+    return weight_bytes + kv_bytes_per_position * (prompt_tokens + gen_tokens / 2)
+
+
+def _summarise(runs: list[dict], prompt_tokens: int, gen_tokens: int, bytes_per_token: float) -> dict:
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    decode = statistics.median(r["decode_s"] for r in runs)
+    decode_tps = (gen_tokens - 1) / decode
+    return dict(ttft_s=ttft, prefill_tps=prompt_tokens / ttft, decode_tps=decode_tps,
+                decode_gbps=bytes_per_token * decode_tps / 1e9, bytes_per_decode_token=bytes_per_token,
+                runs=[{k: v for k, v in r.items() if k != "tokens"} for r in runs], tokens=runs[-1]["tokens"])
+
+
+def bench_engine(loaded, prompt_ids: list[int], gen_tokens: int, repeat: int = 3) -> dict:
+    """Our engine, batch 1, through Engine.submit on the engine thread (started here if needed).
+    TTFT = submit -> first output (includes the prefill); decode = first output -> last output."""
+    from engine.sampling import SamplingParams
+
+    engine, cfg = loaded.engine, loaded.config
+    engine.start()
+    params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+    runs = []
+    for i in range(repeat + 1):
+        t0 = time.perf_counter()
+        stamps, tokens = [], []
+        for out in engine.submit(list(prompt_ids), params):
+            if out.error:
+                raise RuntimeError(out.error)
+            now = time.perf_counter()
+            for token in out.token_ids:
+                stamps.append(now)
+                tokens.append(token)
+        if len(tokens) != gen_tokens:
+            raise RuntimeError(f"the engine produced {len(tokens)} tokens, expected {gen_tokens}")
+        if i:  # run 0 is the warm-up
+            runs.append(dict(ttft_s=stamps[0] - t0, decode_s=stamps[-1] - stamps[0], tokens=tokens))
+    kv_dtype = engine.runner.kv.k[0].dtype
+    kv_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=kv_dtype).element_size()
+    weights = engine.runner.model.weight_bytes()
+    return dict(_summarise(runs, len(prompt_ids), gen_tokens, decode_bytes_per_token(
+        weights, kv_per_pos, len(prompt_ids), gen_tokens)), weight_bytes=weights)
+
+
+def load_transformers(path: Path, dtype: torch.dtype, device: torch.device):
+    """The same model in HF transformers: a GGUF (dequantized to dtype) or an HF folder."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()
+    path = Path(path)
+    if path.is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    return model.to(device).eval()
+
+
+def bench_transformers(model, prompt_ids: list[int], gen_tokens: int, repeat: int = 3) -> dict:
+    """HF generate, greedy, batch 1. TTFT = generate(max_new_tokens=1); decode tok/s =
+    (N-1) / (t(generate N) - TTFT)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt_ids], device=device)
+    mask = torch.ones_like(ids)
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else (model.generation_config.eos_token_id or 0)
+    pad = pad[0] if isinstance(pad, list) else pad
+
+    def timed(n: int) -> tuple[float, list[int]]:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=pad)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0, out[0, len(prompt_ids):].tolist()
+
+    runs = []
+    for i in range(repeat + 1):
+        t_first, _ = timed(1)
+        t_all, tokens = timed(gen_tokens)
+        if i:
+            runs.append(dict(ttft_s=t_first, decode_s=max(t_all - t_first, 1e-9), tokens=tokens))
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    elem = next(model.parameters()).element_size()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    kv_per_pos = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
+    return dict(_summarise(runs, len(prompt_ids), gen_tokens, decode_bytes_per_token(
+        weights, kv_per_pos, len(prompt_ids), gen_tokens)), weight_bytes=weights)
+
+
+def measure_bandwidth(device: torch.device, rows: int = 49152, cols: int = 576, repeat: int = 20) -> float:
+    """Reference read bandwidth in GB/s: a vector times a rows x cols fp32 matrix (F.linear), median time."""
+    w = torch.randn(rows, cols, device=device)
+    x = torch.randn(1, cols, device=device)
+    times = []
+    for _ in range(repeat + 2):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return w.numel() * w.element_size() / statistics.median(times[2:]) / 1e9
+
+
+def machine_facts(loaded, threads: int) -> dict:
+    import psutil
+
+    from engine.hardware import _cpu_name
+
+    device = loaded.device
+    return {
+        "cpu": _cpu_name(),
+        "cores": f"{psutil.cpu_count(logical=False)} physical, {os.cpu_count()} logical",
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": threads,
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "model": f"{loaded.path.name} ({loaded.config.name or loaded.config.arch})",
+        "weight bytes": loaded.engine.runner.model.weight_bytes(),
+        "measured memory bandwidth": f"{measure_bandwidth(device):.2f} GB/s (F.linear, 1x576 by 49152x576 fp32)",
+    }
+
+
+def ratios(ours: dict, theirs: dict) -> dict:
+    """> 1 always means ours is better: throughput ours/theirs, TTFT theirs/ours."""
+    return {key: (ours[key] / theirs[key] if higher else theirs[key] / ours[key])
+            for key, _, _, higher in METRICS if ours.get(key) and theirs.get(key)}
+
+
+def format_table(facts: dict, ours: dict, theirs: dict | None, ratio: dict | None, command: str = "") -> str:
+    lines = ["NInfer benchmark" + (f": {command}" if command else "")]
+    lines += [f"  {k:<26} {v}" for k, v in facts.items()]
+    head = f"| {'metric':<14} | {'ninfer':>10} | {'transformers':>12} | {'ratio':>6} |"
+    lines += ["", head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+    for key, label, fmt, _ in METRICS:
+        other = fmt(theirs[key]) if theirs else "-"
+        r = f"{ratio[key]:.2f}" if ratio and key in ratio else "-"
+        lines.append(f"| {label:<14} | {fmt(ours[key]):>10} | {other:>12} | {r:>6} |")
+    lines.append("")
+    lines.append("ratio > 1 means ninfer is better: ninfer/transformers for throughput, "
+                 "transformers/ninfer for TTFT.")
+    if theirs:
+        same = next((i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b),
+                    len(ours["tokens"]))
+        lines.append(f"greedy outputs agree on the first {same} of {len(ours['tokens'])} tokens.")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ninfer-bench", description="Benchmark NInfer against HF transformers "
+                                "(one request: time to first token, prefill and decode speed, bandwidth).")
+    p.add_argument("model", nargs="?", default=None, help="a .gguf file or HF folder (default: embedded SmolLM2)")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
+    p.add_argument("--gen-tokens", type=int, default=128, help="tokens to generate, at least 2 (default 128)")
+    p.add_argument("--repeat", type=int, default=3, help="measured runs after one warm-up; median (default 3)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for both engines (default: torch's)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and KV dtype (both)")
+    p.add_argument("--compare", choices=("transformers", "none"), default="transformers")
+    p.add_argument("--json", type=Path, default=None, help="write all results to this JSON file")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.repeat < 1:
+        print("ninfer-bench: need --prompt-tokens >= 1, --gen-tokens >= 2 and --repeat >= 1", file=sys.stderr)
+        return 2
+    from engine.build import build_engine
+    from engine.errors import NInferError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    try:
+        loaded = build_engine(args.model, device=args.device, weight_dtype=args.dtype, kv_dtype=args.dtype,
+                              max_concurrency=1, threads=args.threads)
+    except NInferError as err:
+        print(f"ninfer-bench: {err}", file=sys.stderr)
+        return 1
+    try:
+        if args.prompt_tokens + args.gen_tokens > loaded.context_window:
+            print(f"ninfer-bench: prompt + generated tokens exceed the context of {loaded.context_window}",
+                  file=sys.stderr)
+            return 2
+        prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
+        ours = bench_engine(loaded, prompt, args.gen_tokens, args.repeat)
+    finally:
+        loaded.engine.shutdown()
+    theirs = ratio = None
+    if args.compare == "transformers":
+        model = load_transformers(loaded.path, loaded.dtype, loaded.device)
+        theirs = bench_transformers(model, prompt, args.gen_tokens, args.repeat)
+        ratio = ratios(ours, theirs)
+        del model
+    facts = machine_facts(loaded, threads)
+    command = "ninfer-bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(format_table(facts, ours, theirs, ratio, command.strip()))
+    if args.json:
+        result = dict(command=command.strip(), machine=facts, prompt_tokens=args.prompt_tokens,
+                      gen_tokens=args.gen_tokens, repeat=args.repeat, ninfer=ours, transformers=theirs, ratio=ratio)
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

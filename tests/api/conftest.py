@@ -1,0 +1,75 @@
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from engine.build import build_engine
+from engine.config import load_settings
+from engine.server.app import create_app
+from engine.server.state import ServerState
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def default_engine():
+    loaded = build_engine(None, max_concurrency=4, max_context=2048)
+    loaded.engine.start()
+    yield loaded
+    loaded.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(default_engine):
+    settings, _ = load_settings([], {})
+    state = ServerState(settings, ["smollm2-135m-instruct", "smol"])
+    state.loaded = default_engine
+    with RunningServer(state) as running:
+        yield running
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        yield client
+
+
+def wait_idle(engine, timeout=10.0):
+    """Waits until the engine holds no sequence; returns its stats."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        stats = engine.stats()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return stats
+        time.sleep(0.02)
+    return engine.stats()
