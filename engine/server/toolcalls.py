@@ -1,0 +1,443 @@
+"""Tool calls in a model's text output, whole or streamed.
+
+Recognised forms (a call counts only when its name is among the offered tools; anything else stays content):
+  * Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one JSON object, a list, or several
+    objects per block; also Qwen3-Coder's `<tool_call><function=NAME><parameter=P>V</parameter></function></tool_call>`.
+  * Bare JSON at the start of the output (or right after a call): `{"name": ..., "arguments"|"parameters": ...}`
+    (Llama 3.x) or a list of such objects.
+  * A fenced block at a line start, ```json (or ``` with no language), holding such JSON, possibly after text.
+  * Mistral: `[TOOL_CALLS][{...}]` or `[TOOL_CALLS]NAME[ARGS]{...}`.
+
+The whole-text parser is the streamer fed everything at once, so both agree however the text is split. The
+streamer passes text through as soon as it can no longer be part of a call, holds a possible call until it is
+complete, and gives it back as content when it turns out not to be one. Content is stripped at both ends.
+"""
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from engine.server.reasoning import partial_tail
+
+TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
+MISTRAL, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+FENCE = "```"
+FENCE_LANGS = ("", "json", "tool_call", "tool_calls", "tool_code")
+# Keys a bare or fenced call object may start with: anything else (a JSON answer) is content from its first key on.
+CALL_FIRST_KEYS = {"name", "arguments", "parameters", "function", "type", "id"}
+JSON_WS = " \t\r\n"
+_ID_CHARS = string.ascii_letters + string.digits
+_FUNC_RE = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+_MISTRAL_NAME_RE = re.compile(r"([A-Za-z0-9_.\-]+)\[ARGS\]")
+_MISTRAL_PARTIAL_RE = re.compile(r"[A-Za-z0-9_.\-]*(\[(A(R(G(S)?)?)?)?)?")
+
+# ("content", text) or ("tool_call", index, id, name, arguments)
+StreamEvent = Union[tuple[str, str], tuple[str, int, str, str, str]]
+
+
+def new_call_id() -> str:
+    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as text
+
+    @classmethod
+    def new(cls, name: str, arguments: str) -> ToolCall:
+        return cls(new_call_id(), name, arguments)
+
+    def to_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {} if index is None else {"index": index}
+        out.update(id=self.id, type="function", function={"name": self.name, "arguments": self.arguments})
+        return out
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _loads(text: str) -> Any:
+    return json.loads(text, parse_constant=_no_constant)
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
+def _arguments(value: Any) -> dict | None:
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        if not value.strip():
+            return {}
+        try:
+            value = _loads(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+def _calls_from_json(value: Any, names: set[str] | None, strict: bool) -> list[tuple[str, str]] | None:
+    """(name, arguments JSON) for each call in a decoded object or list; None unless all of it is calls.
+    strict (bare and fenced JSON): each object must start with a call key and carry arguments or parameters."""
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or not item or (strict and next(iter(item)) not in CALL_FIRST_KEYS):
+            return None
+        if isinstance(item.get("function"), dict):  # the OpenAI shape {"type": "function", "function": {...}}
+            item = item["function"]
+        name = item.get("name")
+        if not isinstance(name, str) or not name or (names is not None and name not in names):
+            return None
+        key = "arguments" if "arguments" in item else "parameters" if "parameters" in item else None
+        if key is None and strict:
+            return None
+        args = _arguments(item[key] if key else None)
+        if args is None:
+            return None
+        calls.append((name, json.dumps(args, ensure_ascii=False)))
+    return calls or None
+
+
+def _json_calls(text: str, names: set[str] | None, strict: bool) -> list[tuple[str, str]] | None:
+    """Calls from one or more JSON values separated by whitespace."""
+    text, pos, calls = text.strip(), 0, []
+    while pos < len(text):
+        try:
+            value, pos = _DECODER.raw_decode(text, pos)
+        except ValueError:
+            return None
+        got = _calls_from_json(value, names, strict)
+        if got is None:
+            return None
+        calls += got
+        while pos < len(text) and text[pos] in JSON_WS:
+            pos += 1
+    return calls or None
+
+
+def _xml_value(raw: str) -> Any:
+    raw = raw[1:] if raw.startswith("\n") else raw
+    raw = raw[:-1] if raw.endswith("\n") else raw
+    try:
+        return _loads(raw)
+    except ValueError:
+        return raw
+
+
+def _xml_calls(text: str, names: set[str] | None) -> list[tuple[str, str]] | None:
+    """Qwen3-Coder: <function=NAME><parameter=P>VALUE</parameter>...</function>, values decoded as JSON when they
+    are JSON (numbers, booleans, objects) and kept as text otherwise."""
+    text, pos, calls = text.strip(), 0, []
+    for m in _FUNC_RE.finditer(text):
+        name, body, args, at = m.group(1).strip(), m.group(2), {}, 0
+        if text[pos:m.start()].strip() or (names is not None and name not in names):
+            return None
+        for p in _PARAM_RE.finditer(body):
+            if body[at:p.start()].strip():
+                return None
+            args[p.group(1).strip()] = _xml_value(p.group(2))
+            at = p.end()
+        if body[at:].strip():
+            return None
+        calls.append((name, json.dumps(args, ensure_ascii=False)))
+        pos = m.end()
+    return calls if calls and not text[pos:].strip() else None
+
+
+def _tag_calls(inner: str, names: set[str] | None) -> list[tuple[str, str]] | None:
+    inner = inner.strip()
+    return _xml_calls(inner, names) if inner.startswith("<function=") else _json_calls(inner, names, strict=False)
+
+
+def _at_line_start(text: str, i: int, line_start: bool, start: int = 0) -> bool:
+    """Whether only spaces or tabs stand between text[i] and the previous newline (or `start`, itself at a line
+    start when line_start)."""
+    k = text.rfind("\n", start, i)
+    return (k >= 0 or line_start) and not text[(k + 1 if k >= 0 else start):i].strip(" \t")
+
+
+def _find_fence(text: str, start: int, line_start: bool) -> int:
+    i = text.find(FENCE, start)
+    while i >= 0 and not _at_line_start(text, i, line_start, start):
+        i = text.find(FENCE, i + 1)
+    return i
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in JSON_WS:
+        i += 1
+    return i
+
+
+def _could_be_call(text: str) -> bool:
+    """False once the start of bare JSON shows it is not a call object or list of them (then it is content)."""
+    i = 1
+    if text[0] == "[":
+        i = _skip_ws(text, 1)
+        if i == len(text):
+            return True
+        if text[i] != "{":
+            return False
+        i += 1
+    i = _skip_ws(text, i)
+    if i == len(text):
+        return True
+    if text[i] != '"':
+        return False
+    end = text.find('"', i + 1)
+    key = text[i + 1:end]
+    return end < 0 or "\\" in key or key in CALL_FIRST_KEYS
+
+
+class _JsonScan:
+    """Finds where a JSON object or list ends, resuming where the last look stopped as the text grows."""
+
+    def __init__(self, start: int):
+        self.start = self.pos = start
+        self.stack: list[str] = []
+        self.in_str = self.escaped = False
+        self.result: int | None = None
+
+    def end(self, text: str) -> int | None:
+        """Index just past the value; None while incomplete; -1 when the brackets cannot match."""
+        if self.result is None:
+            self.result = self._scan(text)
+        return self.result
+
+    def _scan(self, text: str) -> int | None:
+        for j in range(self.pos, len(text)):
+            c = text[j]
+            if self.in_str:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_str = False
+            elif c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.stack.append("}" if c == "{" else "]")
+            elif c in "}]":
+                if not self.stack or self.stack.pop() != c:
+                    return -1
+                if not self.stack:
+                    return j + 1
+        self.pos = len(text)
+        return None
+
+
+_WAIT = object()
+
+
+class ToolCallStreamer:
+    """feed(delta) -> events, flush() -> events; events are ("content", text) and
+    ("tool_call", index, id, name, arguments) with the whole arguments JSON once the call is complete."""
+
+    def __init__(self, tool_names: set[str] | None = None):
+        self.names = None if tool_names is None else set(tool_names)
+        self.enabled = self.names is None or bool(self.names)
+        self.tool_calls: list[ToolCall] = []
+        self._buf = ""
+        self._code = False        # inside a ``` block that is not a tool call
+        self._bare_ok = True      # bare JSON may start here: output start or right after a call
+        self._line_start = True   # the text consumed so far ends at a line start
+        self._started = False     # some non-whitespace content was emitted
+        self._ws = ""             # whitespace after the content so far, emitted when more content follows
+        self._scan: _JsonScan | None = None
+        self._events: list[StreamEvent] = []
+
+    def feed(self, text: str) -> list[StreamEvent]:
+        self._buf += text
+        return self._run(final=False)
+
+    def flush(self) -> list[StreamEvent]:
+        events = self._run(final=True)
+        self._ws = ""
+        return events
+
+    def _run(self, final: bool) -> list[StreamEvent]:
+        self._events = []
+        while self._buf and self._step(final):
+            pass
+        events: list[StreamEvent] = []
+        for e in self._events:  # one content event per run of text
+            if e[0] == "content" and events and events[-1][0] == "content":
+                events[-1] = ("content", events[-1][1] + e[1])
+            else:
+                events.append(e)
+        return events
+
+    # --- consuming the buffer ---
+    def _text(self, n: int) -> bool:
+        if n <= 0:
+            return False
+        text, self._buf, self._scan = self._buf[:n], self._buf[n:], None
+        if text.strip():
+            self._bare_ok = False
+        self._line_start = _at_line_start(text, len(text), self._line_start)
+        out = self._ws + text
+        if not self._started:
+            out = out.lstrip()
+        body = out.rstrip()
+        self._ws = out[len(body):]
+        if body:
+            self._events.append(("content", body))
+            self._started = True
+        return True
+
+    def _call(self, calls: list[tuple[str, str]], n: int) -> bool:
+        self._buf, self._scan = self._buf[n:], None
+        for name, arguments in calls:
+            call = ToolCall.new(name, arguments)
+            self._events.append(("tool_call", len(self.tool_calls), call.id, name, arguments))
+            self.tool_calls.append(call)
+        self._bare_ok = self._line_start = True
+        return True
+
+    def _json_at(self, start: int, final: bool):
+        """(value, end) for the JSON object or list at buf[start]; _WAIT while incomplete; None if not JSON."""
+        if self._scan is None or self._scan.start != start:
+            self._scan = _JsonScan(start)
+        end = self._scan.end(self._buf)
+        if end is None:
+            return None if final else _WAIT
+        try:
+            return (_loads(self._buf[start:end]), end) if end > 0 else None
+        except ValueError:
+            return None
+
+    # --- one step: consume some text (True) or wait for more (False) ---
+    def _step(self, final: bool) -> bool:
+        buf = self._buf
+        if not self.enabled:
+            return self._text(len(buf))
+        if self._code:
+            close = _find_fence(buf, 0, self._line_start)
+            if close >= 0:
+                self._text(close + len(FENCE))
+                self._code = False
+                return True
+            return self._text(len(buf) - (0 if final else self._fence_tail(buf)))
+        if self._bare_ok and buf[0].isspace():
+            lead = len(buf) - len(buf.lstrip())
+            if lead:
+                return self._text(lead)
+        found = [(buf.find(TAG_OPEN), self._tag), (buf.find(MISTRAL), self._mistral),
+                 (_find_fence(buf, 0, self._line_start), self._fence)]
+        if self._bare_ok and buf[0] in "{[":
+            found.append((0, self._bare))
+        found = [(i, handler) for i, handler in found if i >= 0]
+        if found:
+            i, handler = min(found, key=lambda f: f[0])
+            return handler(final) if i == 0 else self._text(i)
+        if final:
+            return self._text(len(buf))
+        keep = max(self._fence_tail(buf), partial_tail(buf, TAG_OPEN), partial_tail(buf, MISTRAL))
+        return self._text(len(buf) - keep)
+
+    def _fence_tail(self, buf: str) -> int:
+        for n in (2, 1):
+            if buf.endswith("`" * n) and _at_line_start(buf, len(buf) - n, self._line_start):
+                return n
+        return 0
+
+    def _tag(self, final: bool) -> bool:
+        buf, n = self._buf, len(TAG_OPEN)
+        end = buf.find(TAG_CLOSE, n)
+        if end < 0 and not final:
+            head = buf[n:].lstrip()
+            if not head or head[0] in "{[" or head.startswith("<function=") or "<function=".startswith(head):
+                return False
+            return self._text(n)  # cannot become a call: the tag is content
+        calls = _tag_calls(buf[n:end] if end >= 0 else buf[n:], self.names)
+        if calls is None:
+            return self._text(n)
+        return self._call(calls, end + len(TAG_CLOSE) if end >= 0 else len(buf))
+
+    def _fence(self, final: bool) -> bool:
+        buf = self._buf
+        nl = buf.find("\n", len(FENCE))
+        lang = buf[len(FENCE):nl if nl >= 0 else len(buf)].strip().lower()
+        if nl < 0:
+            if not final and any(x.startswith(lang) for x in FENCE_LANGS):
+                return False
+            return self._open_code()
+        if lang not in FENCE_LANGS:
+            return self._open_code()
+        close = _find_fence(buf, nl + 1, True)
+        if close < 0 and not final:
+            head = buf[nl + 1:].lstrip()
+            return self._open_code() if head and head[0] not in "{[" else False
+        calls = _json_calls(buf[nl + 1:close] if close >= 0 else buf[nl + 1:], self.names, strict=True)
+        if calls is None:
+            return self._open_code()
+        return self._call(calls, close + len(FENCE) if close >= 0 else len(buf))
+
+    def _open_code(self) -> bool:
+        self._text(len(FENCE))
+        self._code = True
+        return True
+
+    def _bare(self, final: bool) -> bool:
+        buf = self._buf
+        if not final and MISTRAL.startswith(buf):
+            return False
+        if not final and not _could_be_call(buf):
+            return self._text(1)
+        got = self._json_at(0, final)
+        if got is _WAIT:
+            return False
+        calls = None if got is None else _calls_from_json(got[0], self.names, strict=True)
+        return self._call(calls, got[1]) if calls else self._text(1)
+
+    def _mistral(self, final: bool) -> bool:
+        buf = self._buf
+        i = _skip_ws(buf, len(MISTRAL))
+        if i == len(buf):
+            return False if not final else self._text(len(MISTRAL))
+        calls = None
+        if buf[i] in "{[":
+            got = self._json_at(i, final)
+            if got is _WAIT:
+                return False
+            if got is not None:
+                calls, end = _calls_from_json(got[0], self.names, strict=False), got[1]
+        else:
+            m = _MISTRAL_NAME_RE.match(buf, i)
+            if m is None:
+                if not final and _MISTRAL_PARTIAL_RE.fullmatch(buf, i):
+                    return False
+                return self._text(len(MISTRAL))
+            j = m.end()
+            if j == len(buf) and not final:
+                return False
+            got = self._json_at(j, final) if j < len(buf) and buf[j] == "{" else None
+            if got is _WAIT:
+                return False
+            if got is not None:
+                calls, end = _calls_from_json({"name": m.group(1), "arguments": got[0]}, self.names, False), got[1]
+        return self._call(calls, end) if calls else self._text(len(MISTRAL))
+
+
+def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> ParsedOutput:
+    """Whole-text parse: the content (tool-call markup removed, stripped, None when empty) and the calls."""
+    streamer = ToolCallStreamer(tool_names)
+    events = streamer.feed(text) + streamer.flush()
+    content = "".join(e[1] for e in events if e[0] == "content")
+    return ParsedOutput(content or None, list(streamer.tool_calls))
