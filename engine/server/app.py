@@ -6,7 +6,7 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from engine.server import errors
+from engine.server import errors, security
 from engine.server.chat import chat_completions
 from engine.server.schemas import ChatCompletionRequest
 from engine.server.state import ServerState
@@ -15,6 +15,7 @@ from engine.server.state import ServerState
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="NInfer", summary="OpenAI-compatible local inference", version="0.1.0")
     errors.install(app)
+    security.install(app, state)
     app.state.ninfer = state
     state.created = int(time.time())
 
