@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import math
 import os
 import sys
@@ -25,7 +26,7 @@ from engine.settings_table import show_value as _show
 
 __all__ = [
     "GROUPS", "SETTINGS", "Setting", "ConfigError", "Settings", "PRESET_DIR", "MODE_SAMPLING", "build_parser",
-    "load_settings", "format_settings", "settings_from_mapping", "sampling_defaults", "markdown_table",
+    "load_settings", "format_settings", "settings_from_mapping", "sampling_defaults", "markdown_table", "is_loopback",
 ]
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
@@ -140,7 +141,25 @@ def _check(s: Setting, value: Any) -> str | None:
 def _problem(s: Setting, raw: Any, source: str, what: str) -> str:
     default = _show(s.default) if s.default is not None else f"({s.default_means})" if s.default_means else ""
     default = f" to use the default {default}" if default else ""
-    return f"[{source}] {s.flag} {_show(raw)}: {what}; fix it, or remove it{default}"
+    return f"[{source}] {s.flag} {_hidden(s, raw)}: {what}; fix it, or remove it{default}"
+
+
+def _hidden(s: Setting, value: Any) -> str:
+    """A value for display; a secret one (the API key) is never shown."""
+    return "(hidden)" if s.secret and value is not None else _show(value)
+
+
+def is_loopback(host: str) -> bool:
+    """Is ``host`` (an address or name, IPv6 possibly in brackets) this computer only: 127.0.0.0/8, ::1 or localhost?"""
+    host = host.strip().strip("[]").rstrip(".").lower()
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return (mapped or address).is_loopback
 
 
 def _unavailable(s: Setting, value: Any, source: str) -> str:
@@ -239,6 +258,11 @@ def _resolve(layers: list[Layer], problems: list[str]) -> tuple[dict[str, Any], 
             f"[{sources['kv_capacity']}, {sources['max_context']}] --kv-capacity {cap} is below --max-context {ctx}: "
             f"a KV cache smaller than the context needs ring mode, not available in this version (ring KV comes "
             f"with the KV-memory work); raise --kv-capacity to at least {ctx} (or use auto) or lower --max-context to {cap}")
+    host = values["host"]
+    if not is_loopback(host) and values["api_key"] is None and not values["insecure_no_auth"]:
+        problems.append(
+            f"[{sources['host']}] --host {host} exposes the API to the network without a key; set --api-key "
+            f"(or NINFER_API_KEY), or pass --insecure-no-auth if this network is trusted")
     return values, sources
 
 
@@ -285,10 +309,11 @@ def build_parser(prog: str = "ninfer-serve") -> argparse.ArgumentParser:
             if s.type is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             elif s.type is list:
-                kw.update(action="append", metavar="ID")
+                kw.update(action="append", metavar=s.metavar or "ID")
             else:
-                kw["metavar"] = ("{" + ",".join(s.choices) + "}" if s.choices else "PATH" if s.nullable and s.type is str
-                                 else {int: "N|auto" if s.allow_auto else "N", float: "X"}.get(s.type, s.name.upper()))
+                kw["metavar"] = s.metavar or (
+                    "{" + ",".join(s.choices) + "}" if s.choices else "PATH" if s.nullable and s.type is str
+                    else {int: "N|auto" if s.allow_auto else "N", float: "X"}.get(s.type, s.name.upper()))
             arg_group.add_argument(s.flag, **kw)
     return parser
 
@@ -377,7 +402,7 @@ def format_settings(settings: Any) -> str:
     """The --print-config table: setting, value, source and a note on derived values, aligned in columns."""
     sampling = sampling_defaults(settings)
     rows = [("setting", "value", "source", "note")]
-    rows += [(s.name, _show(getattr(settings, s.name)), settings.source(s.name),
+    rows += [(s.name, _hidden(s, getattr(settings, s.name)), settings.source(s.name),
               _note(settings, s, getattr(settings, s.name), sampling)) for s in SETTINGS]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip() for r in rows)

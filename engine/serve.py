@@ -6,7 +6,7 @@ import sys
 import threading
 from pathlib import Path
 
-from engine.config import ConfigError, Settings, format_settings, load_settings
+from engine.config import ConfigError, Settings, format_settings, is_loopback, load_settings
 from engine.errors import NInferError
 
 log = logging.getLogger("ninfer.serve")
@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         print(format_settings(settings))
         return 0
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.insecure_no_auth and settings.api_key is None and not is_loopback(settings.host):
+        print(f"ninfer-serve: WARNING: --insecure-no-auth: the API on {settings.host}:{settings.port} is open to "
+              f"anyone who can reach this machine over the network, with no key. Use it only on a trusted network; "
+              f"set --api-key (or NINFER_API_KEY) otherwise.", file=sys.stderr)
     try:
         from engine.model.loader import resolve_model_path
         path = resolve_model_path(settings.model)

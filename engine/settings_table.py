@@ -50,6 +50,19 @@ def _not_blank(value: Any) -> str | None:
     return "must not be empty or contain spaces" if not value or any(c.isspace() for c in value) else None
 
 
+def _api_key_ok(value: Any) -> str | None:
+    return None if value.isascii() and value.isprintable() and " " not in value else "must be printable ASCII without spaces"
+
+
+def _origins_ok(origins: Any) -> str | None:
+    """Each origin is * or scheme://host[:port], exactly as browsers send it in the Origin header (no path, no slash)."""
+    for o in origins:
+        scheme, sep, rest = o.partition("://")
+        if o != "*" and not (sep and scheme.isalpha() and rest and not any(c in rest for c in "/?#@ ")):
+            return f"{o!r} is not an origin; write it as scheme://host[:port] with no path (e.g. http://localhost:3000) or *"
+    return None
+
+
 @dataclass(frozen=True)
 class Setting:
     """One knob: its name is the TOML key and the ``Settings`` attribute; ``flag`` and ``env`` are derived from it."""
@@ -73,13 +86,18 @@ class Setting:
     default_means: str = ""  # what the default (0 / auto / unset) stands for, shown in docs and --print-config
     aliases: tuple[tuple[str, str], ...] = ()  # extra spellings of choices, e.g. ("1", "on")
     positional: bool = False  # also accepted as the optional positional argument
+    secret: bool = False  # never shown: --print-config and problem messages hide the value
+    metavar: str = ""  # the value's name in --help (e.g. KEY, ORIGIN); derived from the type when empty
 
     def values_text(self) -> str:
         """The accepted values in words, e.g. "auto, cpu, cuda" or "1 to 65535"."""
         if self.choices:
             return ", ".join(self.choices)
         if self.type in (bool, list, str):
-            return {bool: "true, false", list: "list of names"}.get(self.type, "path" if self.nullable else "text")
+            if self.secret:
+                return "text, or unset"
+            return {bool: "true, false", list: f"list of {self.metavar.lower() + 's' if self.metavar else 'names'}"}.get(
+                self.type, "path" if self.nullable else "text")
         lo, hi = self.minimum, self.maximum
         text = f"{lo} to {hi}" if lo is not None and hi is not None else f">= {lo}" if lo is not None else "number"
         if self.exclusive_minimum:
@@ -124,6 +142,17 @@ SETTINGS: tuple[Setting, ...] = (
            validator=lambda ids: next((f"{i!r} must not contain spaces" for i in ids if _not_blank(i)), None),
            default_means="derived from the model file name"),
         _s("log_level", str, "info", "How much the server logs.", choices=("debug", "info", "warning", "error")),
+        _s("api_key", str, None, "Secret key clients must send as `Authorization: Bearer KEY` or `X-Api-Key: KEY`; "
+           "prefer setting it with NINFER_API_KEY, as command lines are visible to other users.",
+           nullable=True, secret=True, metavar="KEY", validator=_api_key_ok, default_means="no key needed"),
+        _s("insecure_no_auth", bool, False, "Allow a --host other than loopback without --api-key; only for a trusted network."),
+        _s("cors_origins", list, [], "Web origins (e.g. http://localhost:3000) whose browser pages may call the API; "
+           "empty sends no CORS headers, * allows every origin.",
+           metavar="ORIGIN", validator=_origins_ok, default_means="no CORS headers"),
+        _s("max_queue", int, 64, "Requests allowed to wait for a free slot beyond --max-concurrency; more are refused "
+           "until the queue drains.", minimum=0),
+        _s("max_body_mib", int, 16, "Largest request body accepted, in MiB; bigger requests are refused with 413.",
+           minimum=1),
     ),
     *_group(
         "model",

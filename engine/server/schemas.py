@@ -1,9 +1,23 @@
 """Request bodies of the OpenAI-compatible API. Unknown fields are accepted and ignored, as OpenAI clients send many."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+# Bounds on what one request may hold (a 400 beyond them), so no request can make the server do unbounded work.
+MAX_MESSAGES, MAX_TOOLS, MAX_STOP, MAX_STOP_CHARS = 4096, 128, 16, 512
+
+
+def _bounded_stop(stop: str | list[str] | None) -> str | list[str] | None:
+    """One check for both spellings of stop, so the error names the field plainly (not one error per union member)."""
+    items = [stop] if isinstance(stop, str) else stop or []
+    if len(items) > MAX_STOP:
+        raise ValueError(f"at most {MAX_STOP} stop strings are allowed, not {len(items)}")
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
+    return stop
 
 
 class _Open(BaseModel):
@@ -36,17 +50,17 @@ class SamplingFields(_Open):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    stop: str | list[str] | None = None
+    stop: Annotated[str | list[str] | None, AfterValidator(_bounded_stop)] = None
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=8)
     ignore_eos: bool = False
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
