@@ -1,164 +1,149 @@
-"""POST /v1/chat/completions: render the chat, submit to the engine, answer in one body or as SSE chunks."""
+"""POST /v1/chat/completions: render the chat, submit n sequences, answer in one body or as SSE chunks."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.engine import ContextLengthError
 from engine.errors import NInferError
-from engine.sampling import SamplingParams
 from engine.server.errors import APIError, error_body
-from engine.server.schemas import ChatCompletionRequest, SamplingFields
+from engine.server.generation import Choice, run_choices, sampling_params, submit, usage_dict
+from engine.server.parsers import tool_names_for, validate_tools
+from engine.server.schemas import ChatCompletionRequest
 from engine.server.state import ServerState
-from engine.server.textstream import TextStream
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def sampling_params(req: SamplingFields, state: ServerState, prompt_tokens: int, context: int,
-                    logprobs: int | None = None) -> SamplingParams:
-    """Request values over the mode's defaults; max_tokens is capped to the room left in the context."""
-    d, s = state.defaults, state.settings
-    room = context - prompt_tokens
-    if room < 1:
-        raise APIError(400, f"This model's context is {context} tokens, and the prompt has {prompt_tokens}: no "
-                            f"room for an answer. Shorten the messages.", code="context_length_exceeded",
-                       param="messages")
-    wanted = req.max_completion_tokens or req.max_tokens or s.default_max_tokens
-    top_k = d["top_k"] if req.top_k is None else max(req.top_k, 0)
-
-    def pick(name):
-        value = getattr(req, name)
-        return d[name] if value is None else value
-
-    return SamplingParams(
-        max_tokens=min(wanted, room),
-        temperature=0.0 if s.greedy else pick("temperature"),
-        top_p=pick("top_p"), top_k=int(top_k), min_p=pick("min_p"),
-        presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
-        repetition_penalty=req.repetition_penalty or 1.0,
-        seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs,
-    )
+def sse(body) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def _render(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    tok = state.loaded.tokenizer
+def logprob_entries(tokenizer, logprobs) -> list[dict]:
+    def item(tid, value):
+        text = tokenizer.token_text(tid)
+        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+    return [dict(item(lp.token_id, lp.logprob), top_logprobs=[item(t, v) for t, v in lp.top]) for lp in logprobs]
+
+
+def _thinking_kwargs(state: ServerState, req: ChatCompletionRequest, template: str) -> dict:
+    effort = req.reasoning_effort or state.settings.default_reasoning_effort
+    if effort == "auto" or "enable_thinking" not in template:
+        return {}
+    return {"enable_thinking": effort != "none"}
+
+
+def render(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+    """Token ids of the prompt, and whether the model's answer starts inside a <think> block."""
+    tok = state.ready().tokenizer
+    problems = validate_tools(req.tools, req.tool_choice)
+    if problems:
+        raise APIError(400, "Invalid tools: " + "; ".join(problems) + ".", param="tools")
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    tools = req.tools if req.tools and req.tool_choice != "none" else None
+    template = tok.chat_template or ""
     try:
-        return tok.apply_chat_template(messages, tools=req.tools, add_generation_prompt=True)
+        text = tok.render_chat(messages, tools=tools, add_generation_prompt=True,
+                               **_thinking_kwargs(state, req, template))
     except NInferError as e:
         raise APIError(400, str(e), param="messages") from None
-
-
-def _logprob_entries(tokenizer, out) -> list[dict]:
-    entries = []
-    for lp in out.logprobs or []:
-        def item(tid, value):
-            text = tokenizer.token_text(tid)
-            return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
-        entry = item(lp.token_id, lp.logprob)
-        entry["top_logprobs"] = [item(t, v) for t, v in lp.top]
-        entries.append(entry)
-    return entries
+    return tok.encode(text), text.rstrip().endswith("<think>")
 
 
 async def chat_completions(req: ChatCompletionRequest, state: ServerState):
     state.check_model(req.model)
     loaded = state.ready()
-    if req.n != 1:
-        raise APIError(400, "n > 1 is not available in this version; send n=1 (or several requests).", param="n")
-    prompt = _render(state, req)
+    prompt, in_reasoning = render(state, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, state, len(prompt), loaded.context_window, logprobs)
-    try:
-        stream = loaded.engine.submit(prompt, params, loop=asyncio.get_running_loop())
-    except ContextLengthError as e:
-        raise APIError(400, str(e), code="context_length_exceeded", param="messages") from None
-    except NInferError as e:
-        raise APIError(400, str(e)) from None
-    reply = _Reply(req, loaded.tokenizer, stream, len(prompt))
+    streams = submit(state, prompt, params, req.n)
+    reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
+    names = tool_names_for(req.tools, req.tool_choice)
+    choices = [Choice(i, loaded.tokenizer, req.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
+                      tool_names=names) for i in range(req.n)]
+    reply = _Reply(req, loaded.tokenizer, streams, choices, len(prompt))
     if req.stream:
-        return StreamingResponse(reply.sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(reply.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
     return JSONResponse(await reply.whole())
 
 
 class _Reply:
-    def __init__(self, req: ChatCompletionRequest, tokenizer, stream, prompt_tokens: int):
-        self.req, self.tokenizer, self.stream = req, tokenizer, stream
+    def __init__(self, req: ChatCompletionRequest, tokenizer, streams, choices, prompt_tokens: int):
+        self.req, self.tokenizer, self.streams, self.choices = req, tokenizer, streams, choices
         self.id = "chatcmpl-" + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text = TextStream(tokenizer, req.stop_list())
-        self.usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 0, "total_tokens": prompt_tokens}
+        self.prompt_tokens = prompt_tokens
+        self.completion = {c.index: 0 for c in choices}
 
-    async def _events(self):
-        """Yields (text delta, logprob entries, finish_reason or None, error or None); aborts the engine request
-        when the consumer goes away or a stop string ends it."""
-        finished = False
-        try:
-            async for out in self.stream:
-                self.usage["completion_tokens"] = out.completion_tokens
-                self.usage["total_tokens"] = out.prompt_tokens + out.completion_tokens
-                delta = self.text.feed(out.token_ids)
-                lps = _logprob_entries(self.tokenizer, out) if out.logprobs else None
-                if self.text.stopped:
-                    finished = True
-                    yield delta, lps, "stop", None
-                    return
-                if out.finished:
-                    finished = True
-                    delta += self.text.finish()
-                    reason = "length" if out.finish_reason == "length" else "stop"
-                    yield delta, lps, reason, out.error
-                    return
-                yield delta, lps, None, None
-        finally:
-            if not finished:
-                self.stream.abort()
-            elif self.text.stopped:
-                self.stream.abort()
+    @property
+    def usage(self) -> dict:
+        return usage_dict(self.prompt_tokens, self.completion)
+
+    def events(self):
+        return run_choices(self.streams, self.choices, {"completion_tokens": self.completion})
 
     async def whole(self) -> dict:
-        parts, lps, reason = [], [], "stop"
-        async for delta, entries, finish, error in self._events():
-            if error:
-                raise APIError(500, error, code="engine_error")
-            parts.append(delta)
-            lps.extend(entries or [])
-            reason = finish or reason
-        return {
-            "id": self.id, "object": "chat.completion", "created": self.created, "model": self.req.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                         "logprobs": {"content": lps} if self.req.logprobs else None, "finish_reason": reason}],
-            "usage": self.usage,
-        }
-
-    def _chunk(self, delta: dict, finish=None, lps=None) -> str:
-        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.req.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": {"content": lps} if lps else None,
-                             "finish_reason": finish}]}
-        if self._include_usage:
-            body["usage"] = None
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        msgs = {c.index: {"content": [], "reasoning": [], "tool_calls": [], "logprobs": [], "finish": "stop"}
+                for c in self.choices}
+        async for ev in self.events():
+            if ev.error:
+                raise APIError(500, ev.error, code="engine_error")
+            m = msgs[ev.index]
+            m["content"].append(ev.content)
+            m["reasoning"].append(ev.reasoning)
+            m["tool_calls"].extend(ev.tool_calls)
+            m["logprobs"].extend(ev.logprobs)
+            m["finish"] = ev.finish or m["finish"]
+        choices = []
+        for i, m in msgs.items():
+            content = "".join(m["content"])
+            message = {"role": "assistant", "content": content if content or not m["tool_calls"] else None}
+            reasoning = "".join(m["reasoning"])
+            if reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
+            if m["tool_calls"]:
+                message["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+                                         for _, cid, name, args in m["tool_calls"]]
+            lps = {"content": logprob_entries(self.tokenizer, m["logprobs"])} if self.req.logprobs else None
+            choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": m["finish"]})
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.req.model,
+                "choices": choices, "usage": self.usage}
 
     @property
     def _include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
 
-    async def sse(self):
-        yield self._chunk({"role": "assistant", "content": ""})
-        async for delta, lps, finish, error in self._events():
-            if error:
-                yield f"data: {json.dumps(error_body(500, error, 'engine_error'))}\n\n"
-                break
-            if delta or lps:
-                yield self._chunk({"content": delta}, None, lps)
-            if finish:
-                yield self._chunk({}, finish)
+    def _chunk(self, index: int, delta: dict, finish=None, logprobs=None) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.req.model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
         if self._include_usage:
-            body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
-                    "model": self.req.model, "choices": [], "usage": self.usage}
-            yield f"data: {json.dumps(body)}\n\n"
+            body["usage"] = None
+        return sse(body)
+
+    async def sse(self):
+        for c in self.choices:
+            yield self._chunk(c.index, {"role": "assistant", "content": ""})
+        async for ev in self.events():
+            if ev.error:
+                yield sse(error_body(500, ev.error, "engine_error"))
+                break
+            delta = {}
+            if ev.reasoning:
+                delta["reasoning_content"] = delta["reasoning"] = ev.reasoning
+            if ev.content:
+                delta["content"] = ev.content
+            if ev.tool_calls:
+                delta["tool_calls"] = [{"index": i, "id": cid, "type": "function",
+                                        "function": {"name": name, "arguments": args}}
+                                       for i, cid, name, args in ev.tool_calls]
+            lps = {"content": logprob_entries(self.tokenizer, ev.logprobs)} if ev.logprobs else None
+            if delta or lps:
+                yield self._chunk(ev.index, delta, None, lps)
+            if ev.finish:
+                yield self._chunk(ev.index, {}, ev.finish)
+        if self._include_usage:
+            yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                       "model": self.req.model, "choices": [], "usage": self.usage})
         yield "data: [DONE]\n\n"

@@ -1,0 +1,153 @@
+"""From engine outputs to API events, shared by the completion endpoints: one `Choice` per generated sequence turns
+token ids into text, reasoning, tool calls and logprobs; `run_choices` runs n of them and merges their events."""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from engine.engine import ContextLengthError
+from engine.errors import NInferError
+from engine.sampling import SamplingParams
+from engine.server.errors import APIError
+from engine.server.parsers import ReasoningSplitter, ToolCallStreamer
+from engine.server.schemas import SamplingFields
+from engine.server.state import ServerState
+from engine.server.textstream import TextStream
+
+
+def sampling_params(req: SamplingFields, state: ServerState, prompt_tokens: int, context: int,
+                    logprobs: int | None = None, param: str = "messages") -> SamplingParams:
+    """Request values over the mode's defaults; max_tokens is capped to the room left in the context."""
+    d, s = state.defaults, state.settings
+    room = context - prompt_tokens
+    if room < 1:
+        raise APIError(400, f"This model's context is {context} tokens, and the prompt has {prompt_tokens}: no "
+                            f"room for an answer. Shorten the input.", code="context_length_exceeded", param=param)
+    wanted = req.max_completion_tokens or req.max_tokens or s.default_max_tokens
+
+    def pick(name):
+        value = getattr(req, name)
+        return d[name] if value is None else value
+
+    return SamplingParams(
+        max_tokens=min(wanted, room),
+        temperature=0.0 if s.greedy else pick("temperature"),
+        top_p=pick("top_p"), top_k=max(int(pick("top_k")), 0), min_p=pick("min_p"),
+        presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
+        repetition_penalty=req.repetition_penalty or 1.0,
+        seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs,
+    )
+
+
+@dataclass
+class Event:
+    index: int
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list = field(default_factory=list)  # (index, id, name, arguments)
+    logprobs: list = field(default_factory=list)  # engine TokenLogprob entries
+    finish: str | None = None
+    error: str | None = None
+
+
+class Choice:
+    """One generated sequence: detokenizes, cuts at stop strings, splits reasoning, parses tool calls."""
+
+    def __init__(self, index: int, tokenizer, stops: list[str], *, reasoning: bool = False,
+                 starts_in_reasoning: bool = False, tool_names: set[str] | None = None):
+        self.index = index
+        self.text = TextStream(tokenizer, stops)
+        self.splitter = ReasoningSplitter(starts_in_reasoning) if reasoning else None
+        self.tools = ToolCallStreamer(tool_names) if tool_names else None
+        self.called = False
+
+    def _route(self, text: str, final: bool, ev: Event) -> None:
+        if self.splitter is not None:
+            reasoning, text = self.splitter.feed(text)
+            if final:
+                r2, c2 = self.splitter.flush()
+                reasoning, text = reasoning + r2, text + c2
+            ev.reasoning += reasoning
+        if self.tools is None:
+            ev.content += text
+            return
+        events = self.tools.feed(text) + (self.tools.flush() if final else [])
+        for e in events:
+            if e[0] == "content":
+                ev.content += e[1]
+            else:
+                ev.tool_calls.append(e[1:])
+                self.called = True
+
+    def on_output(self, out) -> Event:
+        ev = Event(self.index, logprobs=list(out.logprobs or []))
+        text = self.text.feed(out.token_ids)
+        final = out.finished or self.text.stopped
+        if final and not self.text.stopped:
+            text += self.text.finish()
+        self._route(text, final, ev)
+        if final:
+            if out.error:
+                ev.error = out.error
+            ev.finish = ("tool_calls" if self.called else
+                         "length" if out.finish_reason == "length" and not self.text.stopped else "stop")
+        return ev
+
+
+def submit(state: ServerState, prompt: list[int], params: SamplingParams, n: int, param: str = "messages"):
+    """n engine requests for one API request (seeds seed, seed+1, ... so choices differ but stay reproducible)."""
+    engine = state.ready().engine
+    loop = asyncio.get_running_loop()
+    streams = []
+    try:
+        for i in range(n):
+            p = params if i == 0 else SamplingParams(**{**vars(params), "seed": None if params.seed is None
+                                                         else params.seed + i})
+            streams.append(engine.submit(prompt, p, loop=loop))
+    except ContextLengthError as e:
+        for s in streams:
+            s.abort()
+        raise APIError(400, str(e), code="context_length_exceeded", param=param) from None
+    except NInferError as e:
+        for s in streams:
+            s.abort()
+        raise APIError(400, str(e)) from None
+    return streams
+
+
+async def run_choices(streams, choices: list[Choice], usage: dict):
+    """Yields Events from all choices as they come; aborts every unfinished engine request when the consumer
+    stops listening (client gone, error) or a stop string ends a choice."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream, choice):
+        try:
+            async for out in stream:
+                usage["completion_tokens"][choice.index] = out.completion_tokens
+                ev = choice.on_output(out)
+                await queue.put(ev)
+                if ev.finish:
+                    break
+        finally:
+            stream.abort()  # no-op for a finished request; frees the pages of one ended by a stop string
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(s, c)) for s, c in zip(streams, choices)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            ev = await queue.get()
+            if ev is None:
+                remaining -= 1
+            else:
+                yield ev
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.abort()
+
+
+def usage_dict(prompt_tokens: int, completion: dict[int, int]) -> dict:
+    done = sum(completion.values())
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
