@@ -8,7 +8,8 @@ from fastapi.responses import JSONResponse
 
 from engine.server import errors, security
 from engine.server.chat import chat_completions
-from engine.server.schemas import ChatCompletionRequest
+from engine.server.completions import completions
+from engine.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine.server.state import ServerState
 
 
@@ -37,5 +38,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest):
         return await chat_completions(req, state)
+
+    @app.post("/v1/completions")
+    async def create_completion(req: CompletionRequest):
+        return await completions(req, state)
 
     return app

@@ -157,3 +157,50 @@ def test_disconnect_mid_stream_aborts_and_frees_pages(server):
     after = wait_idle(engine, timeout=5)
     assert after["pages_free"] == start["pages_free"]
     assert after["aborted"] == start["aborted"] + 1
+
+
+def test_n_choices_are_independent_and_reproducible(client):
+    def run():
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell a story."}],
+                                           n=3, temperature=1.0, seed=11, max_tokens=12,
+                                           extra_body={"ignore_eos": True})
+        return [c.message.content for c in sorted(r.choices, key=lambda c: c.index)], r
+    texts, r = run()
+    assert [c.index for c in sorted(r.choices, key=lambda c: c.index)] == [0, 1, 2]
+    assert len(set(texts)) > 1
+    assert run()[0] == texts
+    assert r.usage.completion_tokens == 36
+
+
+def test_n_choices_stream_with_indices(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=FRANCE, n=2, temperature=0, max_tokens=20,
+                                                 stream=True))
+    by_index = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c.choices:
+            by_index[ch.index] += ch.delta.content or ""
+    assert by_index[0] == by_index[1] and "Paris" in by_index[0]
+
+
+def test_completions_endpoint_plain_prompt(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0,
+                                  logprobs=2)
+    assert r.object == "text_completion" and r.choices[0].text
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens
+    assert "".join(lp.tokens) == r.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_completions_token_prompts_and_echo(client):
+    r = client.completions.create(model=MODEL, prompt=["Hello", "One, two,"], max_tokens=4, temperature=0, echo=True)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    texts = {c.index: c.text for c in r.choices}
+    assert texts[0].startswith("Hello") and texts[1].startswith("One, two,")
+
+
+def test_completions_bad_token_id_is_400(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 10**9]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
