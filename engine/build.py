@@ -71,6 +71,7 @@ def kv_pages(capacity: str | int, cfg: ModelConfig, max_context: int, max_concur
 def build_engine(model: str | Path | None = None, *, device: str = "auto", weight_dtype: str = "auto",
                  kv_dtype: str = "auto", max_context: int = 0, kv_capacity: str | int = "auto",
                  kv_headroom_mib: int = 1024, max_concurrency: int = 4, prefill_chunk: int = 512, threads: int = 0,
+                 max_queue: int = 64,
                  progress: Progress | None = None, cancel: threading.Event | None = None) -> LoadedEngine:
     import time
 
@@ -96,5 +97,5 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
     pages = kv_pages(kv_capacity, cfg, context, max_concurrency, kdtype, dev, kv_headroom_mib)
     runner = ModelRunner(net, pages, kdtype, PAGE_SIZE)
     engine = Engine(runner, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=context,
-                    eos_ids=tokenizer.eos_token_ids)
+                    eos_ids=tokenizer.eos_token_ids, max_queue=max_queue)
     return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0)

@@ -25,9 +25,15 @@ class ContextLengthError(NInferError):
                          "Shorten the prompt, or raise --max-context / --kv-capacity if memory allows.")
 
 
+class QueueFullError(NInferError):
+    def __init__(self, limit: int):
+        super().__init__(f"The server is busy: {limit} requests are already running or waiting.",
+                         "Retry in a moment, or raise --max-queue / --max-concurrency.")
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, *, max_concurrency: int, prefill_chunk: int, max_context: int,
-                 eos_ids: frozenset[int] = frozenset()):
+                 eos_ids: frozenset[int] = frozenset(), max_queue: int = 64):
         self.runner = runner
         self.pool = runner.pool
         self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk)
@@ -36,7 +42,9 @@ class Engine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._admitted = threading.Semaphore(max_concurrency + max_queue)  # bounds running + waiting
+        self.max_queue = max_queue
+        self.on_first_token: list = []  # callbacks(seconds from arrival to first token), called on the engine thread
         self.counters = dict(requests=0, finished=0, aborted=0, errors=0, prefill_tokens=0, decode_tokens=0,
                              prefill_seconds=0.0, decode_seconds=0.0, steps=0)
 
@@ -64,6 +72,8 @@ class Engine:
             raise ContextLengthError(len(prompt), self.max_context, "the context length")
         if len(prompt) >= capacity:
             raise ContextLengthError(len(prompt), capacity, "the KV cache capacity")
+        if not self._admitted.acquire(blocking=False):
+            raise QueueFullError(self.scheduler.max_concurrency + self.max_queue)
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self.abort, loop)
         seq = Sequence(request_id, list(prompt), params, min(self.max_context, capacity), stream.push, self.eos_ids)
@@ -137,7 +147,11 @@ class Engine:
             if rows is None:
                 continue
             token, logprobs = sample_token(rows[-1], seq.params, seq.prompt, seq.output, seq.generator)
+            first = not seq.output
             seq.append(token)
+            if first:
+                for callback in self.on_first_token:
+                    callback(seq.first_token_at - seq.arrival)
             out = RequestOutput(seq.request_id, [token], prompt_tokens=len(seq.prompt),
                                 completion_tokens=len(seq.output))
             if seq.params.logprobs is not None:
@@ -145,7 +159,7 @@ class Engine:
             if seq.finish_reason:
                 self.scheduler.finish(seq, seq.finish_reason)
                 out.finished, out.finish_reason = True, seq.finish_reason
-                self._streams.pop(seq.request_id, None)
+                self._release(seq)
                 self.counters["finished"] += 1
             seq.sink(out)
 
@@ -160,9 +174,13 @@ class Engine:
         c["prefill_seconds"] += seconds * prefill / total
         c["decode_seconds"] += seconds * decode / total
 
+    def _release(self, seq: Sequence) -> None:
+        if self._streams.pop(seq.request_id, None) is not None:
+            self._admitted.release()
+
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         self.scheduler.finish(seq, reason)
-        self._streams.pop(seq.request_id, None)
+        self._release(seq)
         seq.sink(RequestOutput(seq.request_id, [], True, reason, len(seq.prompt), len(seq.output), error=error))
 
     def _fail_all(self, message: str, reason: str = "error") -> None:

@@ -25,7 +25,8 @@ def engine_kwargs(settings: Settings) -> dict:
     return dict(device=settings.device, weight_dtype=settings.weight_dtype, kv_dtype=settings.kv_dtype,
                 max_context=settings.max_context, kv_capacity=settings.kv_capacity,
                 kv_headroom_mib=settings.kv_headroom_mib, max_concurrency=settings.max_concurrency,
-                prefill_chunk=settings.prefill_chunk, threads=settings.threads)
+                prefill_chunk=settings.prefill_chunk, threads=settings.threads,
+                max_queue=settings.max_queue)
 
 
 def load_in_background(state, settings: Settings, on_failure=None) -> threading.Thread:

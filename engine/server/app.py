@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engine.server import errors, security
@@ -36,11 +36,11 @@ def create_app(state: ServerState) -> FastAPI:
              "context_window": ctx, "max_model_len": ctx} for m in state.model_ids]}
 
     @app.post("/v1/chat/completions")
-    async def create_chat_completion(req: ChatCompletionRequest):
-        return await chat_completions(req, state)
+    async def create_chat_completion(req: ChatCompletionRequest, request: Request):
+        return await chat_completions(req, state, request)
 
     @app.post("/v1/completions")
-    async def create_completion(req: CompletionRequest):
-        return await completions(req, state)
+    async def create_completion(req: CompletionRequest, request: Request):
+        return await completions(req, state, request)
 
     return app

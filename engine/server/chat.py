@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import aclosing
 import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.errors import NInferError
 from engine.server.errors import APIError, error_body
-from engine.server.generation import Choice, run_choices, sampling_params, submit, usage_dict
+from engine.server.generation import (Choice, run_choices, sampling_params, submit, unless_disconnected,
+                                       usage_dict)
 from engine.server.parsers import tool_names_for, validate_tools
 from engine.server.schemas import ChatCompletionRequest
 from engine.server.state import ServerState
@@ -52,7 +54,7 @@ def render(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], b
     return tok.encode(text), text.rstrip().endswith("<think>")
 
 
-async def chat_completions(req: ChatCompletionRequest, state: ServerState):
+async def chat_completions(req: ChatCompletionRequest, state: ServerState, request=None):
     state.check_model(req.model)
     loaded = state.ready()
     prompt, in_reasoning = render(state, req)
@@ -66,7 +68,7 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerState):
     reply = _Reply(req, loaded.tokenizer, streams, choices, len(prompt))
     if req.stream:
         return StreamingResponse(reply.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse(await reply.whole())
+    return JSONResponse(await unless_disconnected(request, reply.whole()))
 
 
 class _Reply:
@@ -87,15 +89,16 @@ class _Reply:
     async def whole(self) -> dict:
         msgs = {c.index: {"content": [], "reasoning": [], "tool_calls": [], "logprobs": [], "finish": "stop"}
                 for c in self.choices}
-        async for ev in self.events():
-            if ev.error:
-                raise APIError(500, ev.error, code="engine_error")
-            m = msgs[ev.index]
-            m["content"].append(ev.content)
-            m["reasoning"].append(ev.reasoning)
-            m["tool_calls"].extend(ev.tool_calls)
-            m["logprobs"].extend(ev.logprobs)
-            m["finish"] = ev.finish or m["finish"]
+        async with aclosing(self.events()) as events:
+            async for ev in events:
+                if ev.error:
+                    raise APIError(500, ev.error, code="engine_error")
+                m = msgs[ev.index]
+                m["content"].append(ev.content)
+                m["reasoning"].append(ev.reasoning)
+                m["tool_calls"].extend(ev.tool_calls)
+                m["logprobs"].extend(ev.logprobs)
+                m["finish"] = ev.finish or m["finish"]
         choices = []
         for i, m in msgs.items():
             content = "".join(m["content"])
@@ -125,24 +128,25 @@ class _Reply:
     async def sse(self):
         for c in self.choices:
             yield self._chunk(c.index, {"role": "assistant", "content": ""})
-        async for ev in self.events():
-            if ev.error:
-                yield sse(error_body(500, ev.error, "engine_error"))
-                break
-            delta = {}
-            if ev.reasoning:
-                delta["reasoning_content"] = delta["reasoning"] = ev.reasoning
-            if ev.content:
-                delta["content"] = ev.content
-            if ev.tool_calls:
-                delta["tool_calls"] = [{"index": i, "id": cid, "type": "function",
-                                        "function": {"name": name, "arguments": args}}
-                                       for i, cid, name, args in ev.tool_calls]
-            lps = {"content": logprob_entries(self.tokenizer, ev.logprobs)} if ev.logprobs else None
-            if delta or lps:
-                yield self._chunk(ev.index, delta, None, lps)
-            if ev.finish:
-                yield self._chunk(ev.index, {}, ev.finish)
+        async with aclosing(self.events()) as events:
+            async for ev in events:
+                if ev.error:
+                    yield sse(error_body(500, ev.error, "engine_error"))
+                    break
+                delta = {}
+                if ev.reasoning:
+                    delta["reasoning_content"] = delta["reasoning"] = ev.reasoning
+                if ev.content:
+                    delta["content"] = ev.content
+                if ev.tool_calls:
+                    delta["tool_calls"] = [{"index": i, "id": cid, "type": "function",
+                                            "function": {"name": name, "arguments": args}}
+                                           for i, cid, name, args in ev.tool_calls]
+                lps = {"content": logprob_entries(self.tokenizer, ev.logprobs)} if ev.logprobs else None
+                if delta or lps:
+                    yield self._chunk(ev.index, delta, None, lps)
+                if ev.finish:
+                    yield self._chunk(ev.index, {}, ev.finish)
         if self._include_usage:
             yield sse({"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                        "model": self.req.model, "choices": [], "usage": self.usage})

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.server.chat import SSE_HEADERS, sse
 from engine.server.errors import APIError, error_body
-from engine.server.generation import Choice, run_choices, sampling_params, submit, usage_dict
+from engine.server.generation import (Choice, run_choices, sampling_params, submit, unless_disconnected,
+                                       usage_dict)
 from engine.server.schemas import CompletionRequest
 from engine.server.state import ServerState
 
@@ -25,7 +27,7 @@ def _legacy_logprobs(tokenizer, entries, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def completions(req: CompletionRequest, state: ServerState):
+async def completions(req: CompletionRequest, state: ServerState, request=None):
     state.check_model(req.model)
     loaded = state.ready()
     if req.suffix:
@@ -51,7 +53,7 @@ async def completions(req: CompletionRequest, state: ServerState):
     reply = _Reply(req, tok, streams, choices, echoes, prompt_tokens)
     if req.stream:
         return StreamingResponse(reply.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse(await reply.whole())
+    return JSONResponse(await unless_disconnected(request, reply.whole()))
 
 
 class _Reply:
@@ -74,12 +76,13 @@ class _Reply:
 
     async def whole(self) -> dict:
         acc = {c.index: {"text": [self.echoes[c.index]], "lps": [], "finish": "stop"} for c in self.choices}
-        async for ev in self.events():
-            if ev.error:
-                raise APIError(500, ev.error, code="engine_error")
-            acc[ev.index]["text"].append(ev.content)
-            acc[ev.index]["lps"].extend(ev.logprobs)
-            acc[ev.index]["finish"] = ev.finish or acc[ev.index]["finish"]
+        async with aclosing(self.events()) as events:
+            async for ev in events:
+                if ev.error:
+                    raise APIError(500, ev.error, code="engine_error")
+                acc[ev.index]["text"].append(ev.content)
+                acc[ev.index]["lps"].extend(ev.logprobs)
+                acc[ev.index]["finish"] = ev.finish or acc[ev.index]["finish"]
         choices = [{"index": i, "text": "".join(a["text"]), "finish_reason": a["finish"],
                     "logprobs": _legacy_logprobs(self.tokenizer, a["lps"], len(self.echoes[i]))
                     if self.req.logprobs is not None else None} for i, a in acc.items()]
@@ -91,17 +94,18 @@ class _Reply:
             if self.echoes[c.index]:
                 yield sse(self._body([{"index": c.index, "text": self.echoes[c.index], "logprobs": None,
                                        "finish_reason": None}]))
-        async for ev in self.events():
-            if ev.error:
-                yield sse(error_body(500, ev.error, "engine_error"))
-                break
-            lps = None
-            if self.req.logprobs is not None and ev.logprobs:
-                lps = _legacy_logprobs(self.tokenizer, ev.logprobs, offsets[ev.index])
-            offsets[ev.index] += len(ev.content)
-            if ev.content or lps or ev.finish:
-                yield sse(self._body([{"index": ev.index, "text": ev.content, "logprobs": lps,
-                                       "finish_reason": ev.finish}]))
+        async with aclosing(self.events()) as events:
+            async for ev in events:
+                if ev.error:
+                    yield sse(error_body(500, ev.error, "engine_error"))
+                    break
+                lps = None
+                if self.req.logprobs is not None and ev.logprobs:
+                    lps = _legacy_logprobs(self.tokenizer, ev.logprobs, offsets[ev.index])
+                offsets[ev.index] += len(ev.content)
+                if ev.content or lps or ev.finish:
+                    yield sse(self._body([{"index": ev.index, "text": ev.content, "logprobs": lps,
+                                           "finish_reason": ev.finish}]))
         if self.req.stream_options and self.req.stream_options.include_usage:
             yield sse(self._body([], usage_dict(self.prompt_tokens, self.completion)))
         yield "data: [DONE]\n\n"

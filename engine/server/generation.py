@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from engine.engine import ContextLengthError
+from engine.engine import ContextLengthError, QueueFullError
 from engine.errors import NInferError
 from engine.sampling import SamplingParams
 from engine.server.errors import APIError
@@ -108,6 +108,10 @@ def submit(state: ServerState, prompt: list[int], params: SamplingParams, n: int
         for s in streams:
             s.abort()
         raise APIError(400, str(e), code="context_length_exceeded", param=param) from None
+    except QueueFullError as e:
+        for s in streams:
+            s.abort()
+        raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
     except NInferError as e:
         for s in streams:
             s.abort()
@@ -146,6 +150,22 @@ async def run_choices(streams, choices: list[Choice], usage: dict):
             t.cancel()
         for s in streams:
             s.abort()
+
+
+async def unless_disconnected(request, coro, poll: float = 0.25):
+    """Awaits coro, cancelling it (and so aborting its engine requests) when the client goes away."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                return task.result()
+            if request is not None and await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "The client closed the connection.", code="client_closed")
+    finally:
+        if not task.done():
+            task.cancel()
 
 
 def usage_dict(prompt_tokens: int, completion: dict[int, int]) -> dict:

@@ -204,3 +204,32 @@ def test_completions_token_prompts_and_echo(client):
 def test_completions_bad_token_id_is_400(http):
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 10**9]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_disconnect_of_non_stream_request_aborts_within_a_second(server):
+    import time
+
+    import httpx
+    engine = server.state.loaded.engine
+    start = wait_idle(engine)
+    with httpx.Client(base_url=server.base_url, timeout=0.8) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE, "max_tokens": 2000,
+                                                  "ignore_eos": True})
+    t0 = time.time()
+    after = wait_idle(engine, timeout=5)
+    assert time.time() - t0 < 1.5
+    assert after["pages_free"] == start["pages_free"] and after["aborted"] == start["aborted"] + 1
+
+
+def test_queue_full_is_429_with_retry_after(default_engine, server, http):
+    engine = default_engine.engine
+    saved = engine._admitted
+    import threading
+    engine._admitted = threading.Semaphore(0)  # as if running + waiting requests filled every slot
+    try:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE})
+    finally:
+        engine._admitted = saved
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "queue_full" and "--max-queue" in r.json()["error"]["message"]
