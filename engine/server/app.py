@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from engine.server import errors, security
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
+from engine.server.responses import ResponsesRequest, responses
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine.server.state import ServerState
 
@@ -42,5 +43,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
         return await completions(req, state, request)
+
+    @app.post("/v1/responses")
+    async def create_response(req: ResponsesRequest, request: Request):
+        return await responses(req, state, request)
 
     return app

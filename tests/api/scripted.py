@@ -1,0 +1,45 @@
+"""A scripted engine for API tests: the real server and tokenizer, with a model that says exactly what the test
+wants (e.g. a tool call), so parsing and streaming are tested deterministically."""
+from types import SimpleNamespace
+
+from engine.config import load_settings
+from engine.sequence import RequestOutput
+from engine.server.state import ServerState
+from engine.stream import RequestStream
+from tests.api.conftest import RunningServer
+
+
+class ScriptedEngine:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.script = ""
+        self.prompts: list[list[int]] = []
+        self.params = []
+
+    def submit(self, prompt, params, request_id=None, loop=None):
+        self.prompts.append(list(prompt))
+        self.params.append(params)
+        stream = RequestStream(request_id or f"r{len(self.prompts)}", lambda _rid: None, loop)
+        ids = self.tokenizer.encode(self.script)[:params.max_tokens]
+        for i, t in enumerate(ids):
+            last = i == len(ids) - 1
+            reason = ("length" if len(ids) == params.max_tokens else "stop") if last else None
+            stream.push(RequestOutput(stream.request_id, [t], last, reason, len(prompt), i + 1))
+        return stream
+
+    def abort(self, request_id):
+        pass
+
+    def stats(self):
+        return {"running": 0, "waiting": 0}
+
+
+def scripted_server(default_engine):
+    """A RunningServer whose engine replays `server.engine.script`; uses the default model's tokenizer."""
+    settings, _ = load_settings([], {})
+    engine = ScriptedEngine(default_engine.tokenizer)
+    state = ServerState(settings, ["scripted"])
+    state.loaded = SimpleNamespace(engine=engine, tokenizer=default_engine.tokenizer, context_window=2048)
+    running = RunningServer(state)
+    running.engine = engine
+    return running
