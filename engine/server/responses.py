@@ -9,7 +9,7 @@ from contextlib import aclosing
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from engine.server.chat import SSE_HEADERS, render
 from engine.server.errors import APIError
@@ -103,11 +103,17 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
         raise APIError(400, "previous_response_id is not available: this server stores no responses. Send the "
                             "whole conversation in input (as Codex does with store=false).",
                        param="previous_response_id")
-    chat = ChatCompletionRequest(
-        model=req.model, messages=to_messages(req), tools=to_chat_tools(req.tools),
-        tool_choice=to_chat_tool_choice(req.tool_choice), max_tokens=req.max_output_tokens,
-        temperature=req.temperature, top_p=req.top_p,
-        reasoning_effort=req.reasoning.effort if req.reasoning else None)
+    try:
+        chat = ChatCompletionRequest(
+            model=req.model, messages=to_messages(req), tools=to_chat_tools(req.tools),
+            tool_choice=to_chat_tool_choice(req.tool_choice), max_tokens=req.max_output_tokens,
+            temperature=req.temperature, top_p=req.top_p,
+            reasoning_effort=req.reasoning.effort if req.reasoning else None)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise APIError(400, f"The input cannot be read as a conversation: {where}: {first['msg']}.",
+                       param="input") from None
     prompt, in_reasoning = render(state, chat)
     params = sampling_params(chat, state, len(prompt), loaded.context_window)
     streams = submit(state, prompt, params, 1)
