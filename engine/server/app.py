@@ -6,7 +6,8 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from engine.server import errors, security
+from engine.metrics import RequestCounter
+from engine.server import admin, errors, security
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
 from engine.server.responses import ResponsesRequest, responses
@@ -18,6 +19,8 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="NInfer", summary="OpenAI-compatible local inference", version="0.1.0")
     errors.install(app)
     security.install(app, state)
+    app.add_middleware(RequestCounter, metrics=state.metrics)  # outermost: security refusals are counted too
+    app.include_router(admin.router(state))
     app.state.ninfer = state
     state.created = int(time.time())
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.config import Settings, sampling_defaults
+from engine.metrics import Metrics
 from engine.server.errors import APIError
 
 
@@ -16,9 +17,21 @@ class ServerState:
     load_progress: float = 0.0
     created: int = 0
     defaults: dict = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)
 
     def __post_init__(self):
         self.defaults = sampling_defaults(self.settings)
+        if getattr(self.loaded, "engine", None) is not None:
+            self.metrics.attach(self.loaded.engine)
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "loaded" and getattr(value, "engine", None) is not None and "metrics" in self.__dict__:
+            self.metrics.attach(value.engine)  # measure the engine as soon as it is in place
+
+    def apply_settings(self, settings: Settings) -> None:
+        """Switches to new settings live (mode, sampling defaults): requests from now on use them."""
+        self.settings, self.defaults = settings, sampling_defaults(settings)
 
     def ready(self):
         if self.loaded is None:

@@ -1,0 +1,281 @@
+"""Server metrics: Prometheus exposition for ``GET /metrics`` and a plain-dict ``snapshot()`` for the desktop monitor.
+
+One ``Metrics`` per server, each with its own ``CollectorRegistry`` (never prometheus_client's global one), so several
+servers can live in one process. What it measures:
+
+- HTTP requests by route template, method and status (``count_request``, fed by ``RequestCounter``, a pure-ASGI
+  middleware that sits outside the security middleware, so its refusals are counted too);
+- time to first token (a histogram fed by a callback in ``engine.on_first_token``; ``attach(engine)`` registers it);
+- everything else is read from ``Engine.stats()`` at scrape/snapshot time by a custom collector: queue depth,
+  running sequences, KV pages, preemptions, engine request outcomes, token and time counters, and prefill/decode
+  speeds, both as lifetime averages (tokens / engine seconds spent on them) and over the recent window (the delta of
+  the same counters since the previous scrape, or since the previous snapshot: each consumer has its own window).
+
+No Qt and no torch here: the desktop app reads ``snapshot()``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.routing import Match
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+RECENT_TTFT = 256  # first-token latencies kept for the snapshot's percentiles
+OTHER_ROUTE = "other"  # the route label of paths that match no route (keeps the label set bounded)
+
+# Engine.stats() keys, with their value when an engine (or a test double) does not report them.
+_STAT_DEFAULTS = dict(requests=0, finished=0, aborted=0, errors=0, prefill_tokens=0, decode_tokens=0,
+                      prefill_seconds=0.0, decode_seconds=0.0, steps=0, running=0, waiting=0, preemptions=0,
+                      pages_total=0, pages_free=0, page_size=0)
+_RATE_KEYS = ("prefill_tokens", "prefill_seconds", "decode_tokens", "decode_seconds")
+
+
+def _rate(tokens: float, seconds: float) -> float:
+    return tokens / seconds if seconds > 0 and tokens > 0 else 0.0
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class Metrics:
+    """The metrics of one server. ``attach(engine)`` once the engine is loaded; before that only HTTP counts exist."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests = Counter("ninfer_http_requests", "HTTP requests answered, by route template, method and "
+                                 "status.", ["route", "method", "status"], registry=self.registry)
+        self._ttft = Histogram("ninfer_time_to_first_token_seconds", "Seconds from a request's arrival at the "
+                               "engine to its first generated token.", buckets=TTFT_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(self))
+        self._lock = threading.Lock()
+        self._engine = None
+        self._callback = None
+        self._by_route: dict[str, dict[int, int]] = {}
+        self._ttft_count, self._ttft_sum, self._ttft_recent = 0, 0.0, deque(maxlen=RECENT_TTFT)
+        self._windows: dict[str, tuple[float, dict]] = {}  # consumer -> (time, rate counters) of its last read
+
+    # ---- feeding -------------------------------------------------------------------------------------------
+    def attach(self, engine) -> None:
+        """Measures ``engine`` from now on (detaching from the previous one); a no-op for the same engine."""
+        with self._lock:
+            if engine is self._engine:
+                return
+            self._detach_locked()
+            self._engine = engine
+            self._windows.clear()
+            callbacks = getattr(engine, "on_first_token", None)
+            if isinstance(callbacks, list):
+                self._callback = self.observe_ttft
+                callbacks.append(self._callback)
+
+    def detach(self) -> None:
+        with self._lock:
+            self._detach_locked()
+
+    def _detach_locked(self) -> None:
+        if self._engine is not None and self._callback is not None:
+            try:
+                self._engine.on_first_token.remove(self._callback)
+            except (AttributeError, ValueError):
+                pass
+        self._engine, self._callback = None, None
+
+    @property
+    def engine(self):
+        return self._engine
+
+    def observe_ttft(self, seconds: float) -> None:
+        """Called on the engine thread for every request's first token: cheap, and thread-safe."""
+        self._ttft.observe(seconds)
+        with self._lock:
+            self._ttft_count += 1
+            self._ttft_sum += seconds
+            self._ttft_recent.append(seconds)
+
+    def count_request(self, route: str, method: str, status: int) -> None:
+        self._requests.labels(route, method, str(status)).inc()
+        with self._lock:
+            statuses = self._by_route.setdefault(route, {})
+            statuses[status] = statuses.get(status, 0) + 1
+
+    # ---- reading -------------------------------------------------------------------------------------------
+    def engine_stats(self, window: str | None = None) -> dict[str, Any] | None:
+        """Engine.stats() with every key present, plus pages_used and the token rates; None before ``attach``.
+
+        ``window`` names the consumer whose recent window this read ends (and the next one starts): "scrape" for
+        /metrics, "snapshot" for snapshot(); the recent rates cover the engine work done since its previous read.
+        """
+        engine = self._engine
+        if engine is None:
+            return None
+        try:
+            raw = engine.stats()
+        except Exception:  # a half-built or test engine: report what we can
+            raw = {}
+        stats = {k: raw.get(k, v) for k, v in _STAT_DEFAULTS.items()}
+        stats["pages_used"] = stats["pages_total"] - stats["pages_free"]
+        stats["prefill_tokens_per_second"] = _rate(stats["prefill_tokens"], stats["prefill_seconds"])
+        stats["decode_tokens_per_second"] = _rate(stats["decode_tokens"], stats["decode_seconds"])
+        now = time.monotonic()
+        current = {k: stats[k] for k in _RATE_KEYS}
+        with self._lock:
+            previous = self._windows.get(window) if window else None
+            if window:
+                self._windows[window] = (now, current)
+        if previous is None:  # the first read of this consumer: the recent window is the whole lifetime
+            since, base = None, dict.fromkeys(_RATE_KEYS, 0)
+        else:
+            since, base = previous
+        stats["prefill_tokens_per_second_recent"] = _rate(current["prefill_tokens"] - base["prefill_tokens"],
+                                                          current["prefill_seconds"] - base["prefill_seconds"])
+        stats["decode_tokens_per_second_recent"] = _rate(current["decode_tokens"] - base["decode_tokens"],
+                                                         current["decode_seconds"] - base["decode_seconds"])
+        stats["recent_window_seconds"] = None if since is None else now - since
+        return stats
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type (for the /metrics route)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def snapshot(self) -> dict[str, Any]:
+        """The same numbers as /metrics, as plain Python, for the app's monitor (its own recent-rate window)."""
+        stats = self.engine_stats("snapshot")
+        with self._lock:
+            by_route = {route: dict(statuses) for route, statuses in self._by_route.items()}
+            count, total, recent = self._ttft_count, self._ttft_sum, list(self._ttft_recent)
+        snap: dict[str, Any] = {
+            "time": time.time(),
+            "engine_attached": stats is not None,
+            "http_requests": by_route,  # route -> {status: count}
+            "http_requests_total": sum(n for statuses in by_route.values() for n in statuses.values()),
+            "ttft_seconds": {"count": count, "sum": total, "mean": total / count if count else None,
+                             "last": recent[-1] if recent else None, "p50": _percentile(recent, 0.5),
+                             "p95": _percentile(recent, 0.95)},
+        }
+        snap.update(stats if stats is not None else
+                    {k: None for k in (*_STAT_DEFAULTS, "pages_used", "prefill_tokens_per_second",
+                                       "decode_tokens_per_second", "prefill_tokens_per_second_recent",
+                                       "decode_tokens_per_second_recent", "recent_window_seconds")})
+        return snap
+
+
+class _EngineCollector:
+    """Reads Engine.stats() at scrape time (nothing is copied on the engine thread)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self):
+        return []  # names are only known at collect time; keeps the registry from collecting at registration
+
+    def collect(self):
+        stats = self.metrics.engine_stats("scrape")
+        yield GaugeMetricFamily("ninfer_engine_attached", "1 once the model is loaded and measured, else 0.",
+                                value=0 if stats is None else 1)
+        if stats is None:
+            return
+        gauges = [
+            ("ninfer_requests_waiting", "Requests queued for a free slot (queue depth).", "waiting"),
+            ("ninfer_requests_running", "Sequences being generated now.", "running"),
+            ("ninfer_kv_pages_used", "KV-cache pages held by sequences.", "pages_used"),
+            ("ninfer_kv_pages_free", "KV-cache pages free.", "pages_free"),
+            ("ninfer_kv_pages_capacity", "KV-cache pages in all (used + free).", "pages_total"),
+            ("ninfer_kv_page_size_tokens", "Tokens per KV-cache page.", "page_size"),
+        ]
+        for name, doc, key in gauges:
+            yield GaugeMetricFamily(name, doc, value=stats[key])
+        for kind in ("prefill", "decode"):
+            g = GaugeMetricFamily(f"ninfer_{kind}_tokens_per_second",
+                                  f"{kind.capitalize()} speed in tokens per engine second: window=lifetime since the "
+                                  f"engine started, window=recent since the previous scrape.", labels=["window"])
+            g.add_metric(["lifetime"], stats[f"{kind}_tokens_per_second"])
+            g.add_metric(["recent"], stats[f"{kind}_tokens_per_second_recent"])
+            yield g
+        counters = [
+            ("ninfer_preemptions", "Sequences preempted (their KV pages taken back) to make room.", "preemptions"),
+            ("ninfer_engine_requests_submitted", "Requests the engine accepted.", "requests"),
+            ("ninfer_engine_requests_finished", "Requests that ended normally (stop or length).", "finished"),
+            ("ninfer_engine_requests_aborted", "Requests aborted (client gone, stop string, shutdown).", "aborted"),
+            ("ninfer_engine_requests_failed", "Requests ended by an engine error.", "errors"),
+            ("ninfer_prefill_tokens", "Prompt tokens processed.", "prefill_tokens"),
+            ("ninfer_decode_tokens", "Tokens generated by decode steps.", "decode_tokens"),
+            ("ninfer_prefill_seconds", "Engine seconds spent on prompt tokens.", "prefill_seconds"),
+            ("ninfer_decode_seconds", "Engine seconds spent on decode tokens.", "decode_seconds"),
+            ("ninfer_engine_steps", "Scheduler steps run.", "steps"),
+        ]
+        for name, doc, key in counters:
+            yield CounterMetricFamily(name, doc, value=stats[key])
+
+
+def _template(routes, scope, prefix: str = "") -> str | None:
+    """The path template of the route matching ``scope`` (method aside), looking into included routers; or None."""
+    for r in routes:
+        match, child = r.matches(scope)
+        if match is Match.NONE:
+            continue
+        path = getattr(child.get("route"), "path", None) or getattr(r, "path", None)
+        if path:
+            return prefix + path
+        inner = getattr(r, "original_router", None)  # FastAPI's include_router() entry
+        if inner is not None:
+            sub = getattr(getattr(r, "include_context", None), "prefix", "") or ""
+            if scope["path"].startswith(sub):
+                found = _template(inner.routes, {**scope, "path": scope["path"][len(sub):]}, prefix + sub)
+                if found:
+                    return found
+    return None
+
+
+class RequestCounter:
+    """Pure-ASGI middleware counting HTTP answers by route template, method and status.
+
+    Add it outermost (after the security middleware) so refusals (401, 403, 413) are counted too. The request is
+    counted just before its last body message goes out, so a client that reads /metrics right after an answer
+    always sees that answer counted; an exception before any answer counts as 500.
+    """
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    @staticmethod
+    def _route(scope) -> str:
+        route = getattr(scope.get("route"), "path", None)  # set by the router for a routed request
+        if route:
+            return route
+        try:  # refused before routing (security middleware): match the app's routes ourselves
+            return _template(getattr(scope.get("app"), "routes", ()), scope) or OTHER_ROUTE
+        except Exception:
+            return OTHER_ROUTE
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status, counted = None, False
+
+        def count(code: int) -> None:
+            nonlocal counted
+            if not counted:
+                counted = True
+                self.metrics.count_request(self._route(scope), scope.get("method", "GET"), code)
+
+        async def counting_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                count(status or 500)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            count(status or 500)
