@@ -111,7 +111,7 @@ def _coerce(s: Setting, raw: Any) -> tuple[Any, str | None]:
             return None, "is not a number"
         try:
             value = float(raw)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: an int too large for a float
             return None, "is not a number"
         return (value, None) if math.isfinite(value) else (None, "must be a finite number")
     if isinstance(raw, int) and not isinstance(raw, bool) and s.aliases:

@@ -457,3 +457,10 @@ def test_docs_table_is_generated_from_the_schema():
     assert table == markdown_table(), "docs/CONFIG.md is out of date: regenerate it with `python -m engine.config`"
     for s in SETTINGS:
         assert f"| `{s.name}` | `{s.flag}`" in table and f"`{s.env}`" in table
+
+
+def test_huge_integer_for_a_float_setting_is_a_problem_not_a_crash():
+    from engine.config import ConfigError, settings_from_mapping
+    with pytest.raises(ConfigError) as e:
+        settings_from_mapping({"temperature": 10**400}, "app")
+    assert "temperature" in str(e.value)
