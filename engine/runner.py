@@ -60,5 +60,5 @@ class ModelRunner:
             logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
             max_position=max(positions),
         )
-        logits = self.model.forward(batch) if rows else None
+        logits = self.model.forward(batch)  # always: a step without logit rows still writes its KV
         return [None if span is None else logits[span[0]:span[0] + span[1]] for span in row_spans]

@@ -12,7 +12,7 @@ from gguf.quants import dequantize
 
 from engine.errors import ModelLoadError
 from engine.model.config import SUPPORTED_ARCHS, ModelConfig
-from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete
+from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete, expected_shapes
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -128,6 +128,7 @@ def load_gguf(path: Path, progress: Progress | None = None,
     tensors: dict[str, torch.Tensor] = {}
     storage: dict[str, str] = {}
     ticker = Ticker(len(reader.tensors), progress, cancel)
+    expected = expected_shapes(cfg)
     for t in reader.tensors:
         name = hf_name(t.name)
         ticker.step(f"loading {t.name}")
@@ -139,7 +140,8 @@ def load_gguf(path: Path, progress: Progress | None = None,
         except Exception as e:
             raise ModelLoadError(f"{path.name}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {e}.",
                                  "The file is damaged or uses a quantization this version cannot read.") from None
-        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")) and shape == expected.get(name):
+            # (a tensor of the wrong shape is left as it is, for check_complete to name it)
             arr = _unpermute(arr, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
         tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own copy: the file stays read-only
         storage[name] = t.tensor_type.name

@@ -56,6 +56,18 @@ def tiny_hf_model(arch: str, tmp_path: Path, seed: int = 0, name: str | None = N
     return model, folder
 
 
+def add_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over the tiny vocabulary ("<unk>", "<eos>", "w2", "w3", ...), saved into the folder so
+    that Tokenizer.from_folder and build_engine can load it; "w5 w17" encodes to [5, 17]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(folder)
+
+
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf.py does to Llama q/k rows (interleaved RoPE layout)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
