@@ -13,6 +13,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.script = ""
+        self.fail_after: int | None = None  # emit this many tokens, then an engine error
         self.prompts: list[list[int]] = []
         self.params = []
 
@@ -21,6 +22,12 @@ class ScriptedEngine:
         self.params.append(params)
         stream = RequestStream(request_id or f"r{len(self.prompts)}", lambda _rid: None, loop)
         ids = self.tokenizer.encode(self.script)[:params.max_tokens]
+        if self.fail_after is not None:
+            for i, t in enumerate(ids[:self.fail_after]):
+                stream.push(RequestOutput(stream.request_id, [t], False, None, len(prompt), i + 1))
+            stream.push(RequestOutput(stream.request_id, [], True, "error", len(prompt), self.fail_after,
+                                      error="The engine failed during a step: RuntimeError: boom"))
+            return stream
         for i, t in enumerate(ids):
             last = i == len(ids) - 1
             reason = ("length" if len(ids) == params.max_tokens else "stop") if last else None

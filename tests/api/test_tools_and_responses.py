@@ -163,3 +163,26 @@ def test_responses_rejects_what_it_cannot_do(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="scripted", input="x", tools=[{"type": "web_search"}])
     assert e.value.body["param"] == "tools[0].type"
+
+
+def test_engine_failure_mid_stream_sends_an_error_chunk_then_done(scripted, client):
+    import httpx
+    scripted.engine.script = "Hello there, general Kenobi."
+    scripted.engine.fail_after = 2
+    try:
+        with httpx.Client(base_url=scripted.base_url, timeout=10) as c:
+            lines = [line for line in c.post("/v1/chat/completions", json={
+                "model": "scripted", "stream": True, "messages": [{"role": "user", "content": "Hi"}]}
+            ).text.splitlines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            error = json.loads(lines[-2][6:])["error"]
+            assert error["code"] == "engine_error" and "boom" in error["message"]
+            assert any('"content": "Hello"' in line for line in lines[:-2])
+            r = c.post("/v1/chat/completions", json={"model": "scripted",
+                                                     "messages": [{"role": "user", "content": "Hi"}]})
+            assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        scripted.engine.fail_after = None
+        assert client.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "Hi"}]
+                                              ).choices[0].message.content == "Hello there, general Kenobi."
+    finally:
+        scripted.engine.fail_after = None
