@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from engine.errors import NInferError
+from engine.modes import load_modes
 from engine.settings_table import ENV_ALLOWED, ENV_ALLOWED_PREFIXES, GROUPS, SETTINGS, Setting
 from engine.settings_table import show_value as _show
 
 __all__ = [
-    "GROUPS", "SETTINGS", "Setting", "ConfigError", "Settings", "PRESET_DIR", "MODE_SAMPLING", "build_parser",
+    "GROUPS", "SETTINGS", "Setting", "ConfigError", "Settings", "PRESET_DIR", "build_parser",
     "load_settings", "format_settings", "settings_from_mapping", "sampling_defaults", "markdown_table", "is_loopback",
 ]
 
@@ -33,10 +34,6 @@ BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
 PRESET_DIR = Path(__file__).resolve().parent.parent / "resources" / "presets"
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-MODE_SAMPLING: dict[str, dict[str, float | int]] = {
-    "chat": {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0},
-    "agent": {"temperature": 0.2, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.05, "frequency_penalty": 0.0},
-}
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 
 
@@ -358,6 +355,10 @@ def load_settings(argv: list[str] | None = None, env: Mapping[str, str] | None =
     layers.append(_env_layer(env, warnings))
     layers.append(_flag_layer(ns, problems))
     values, sources = _resolve(layers, problems)
+    try:
+        load_modes()
+    except NInferError as e:
+        problems.append(str(e))
     if problems:
         raise ConfigError(problems)
     return Settings(**values, sources=sources, print_config=ns.print_config, preset=ns.preset, config=ns.config), warnings
@@ -375,7 +376,7 @@ def settings_from_mapping(values: dict, source: str) -> Any:
 
 def sampling_defaults(settings: Any) -> dict[str, float | int]:
     """Default sampling for requests: the --mode preset, overridden by explicitly set values; --greedy forces temperature 0."""
-    result = dict(MODE_SAMPLING[settings.mode])
+    result = dict(load_modes()[settings.mode])
     for key in SAMPLING_KEYS:
         if getattr(settings, key) is not None:
             result[key] = getattr(settings, key)
