@@ -1,12 +1,16 @@
 """The engine thread: takes requests from any thread, runs scheduler steps, streams outputs back."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
 import time
 import uuid
 
+import torch
+
+from engine.constrain import ConstraintError
 from engine.errors import NInferError
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token
@@ -72,6 +76,8 @@ class Engine:
             raise ContextLengthError(len(prompt), self.max_context, "the context length")
         if len(prompt) >= capacity:
             raise ContextLengthError(len(prompt), capacity, "the KV cache capacity")
+        if params.constraint is not None:  # the sequence's own grammar state, from the (untouched) template
+            params = dataclasses.replace(params, constraint=params.constraint.fresh())
         if not self._admitted.acquire(blocking=False):
             raise QueueFullError(self.scheduler.max_concurrency + self.max_queue)
         request_id = request_id or uuid.uuid4().hex
@@ -146,9 +152,16 @@ class Engine:
             seq.num_computed += n
             if rows is None:
                 continue
-            token, logprobs = sample_token(rows[-1], seq.params, seq.prompt, seq.output, seq.generator)
+            try:
+                token, logprobs = self._sample(seq, rows[-1])
+            except ConstraintError as e:
+                self._end(seq, "error", str(e))
+                self.counters["errors"] += 1
+                continue
             first = not seq.output
             seq.append(token)
+            if seq.params.constraint is not None and seq.params.constraint.finished:
+                seq.finish_reason = "stop"  # the grammar is complete (also when this token reached max_tokens)
             if first:
                 for callback in self.on_first_token:
                     callback(seq.first_token_at - seq.arrival)
@@ -162,6 +175,18 @@ class Engine:
                 self._release(seq)
                 self.counters["finished"] += 1
             seq.sink(out)
+
+    @staticmethod
+    def _sample(seq: Sequence, row) -> tuple[int, torch.Tensor]:
+        """The next token; under a constraint, from the tokens its grammar allows (logprobs stay the model's)."""
+        constraint = seq.params.constraint
+        if constraint is None:
+            return sample_token(row, seq.params, seq.prompt, seq.output, seq.generator)
+        token, logprobs = sample_token(constraint.apply(row), seq.params, seq.prompt, seq.output, seq.generator)
+        if seq.params.logprobs is not None:
+            logprobs = torch.log_softmax(row.float(), -1)
+        constraint.accept(token)
+        return token, logprobs
 
     def _account(self, plan, seconds: float) -> None:
         c = self.counters

@@ -24,6 +24,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs to return per token (0 = only the chosen token's)
     extra: dict = field(default_factory=dict)
+    # An engine.constrain.Constraint the output must follow (not validated here): a template, never advanced
+    # itself; Engine.submit gives each sequence its own fresh() copy, so one params object can serve n choices.
+    constraint: object | None = None
 
     def validate(self) -> None:
         checks = [

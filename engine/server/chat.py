@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: render the chat, submit n sequences, answer in one body or as SSE chunks."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from contextlib import aclosing
@@ -8,11 +9,12 @@ import uuid
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.constrain import Constraint, UnsupportedSchema, tool_call_constraint
 from engine.errors import NInferError
 from engine.server.errors import APIError, error_body
-from engine.server.generation import (Choice, run_choices, sampling_params, submit, unless_disconnected,
-                                       usage_dict)
-from engine.server.parsers import tool_names_for, validate_tools
+from engine.server.generation import (Choice, response_constraint, run_choices, sampling_params, submit,
+                                       unless_disconnected, usage_dict)
+from engine.server.parsers import required_tool, tool_names_for, validate_tools
 from engine.server.schemas import ChatCompletionRequest
 from engine.server.state import ServerState
 
@@ -54,12 +56,36 @@ def render(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], b
     return tok.encode(text), text.rstrip().endswith("<think>")
 
 
+def output_constraint(tok, req: ChatCompletionRequest, in_reasoning: bool) -> Constraint | None:
+    """The grammar the answer must follow: a tool call when tool_choice forces one, else the response_format's.
+    When the answer starts inside a <think> block, the grammar applies from the token after </think>."""
+    forced = required_tool(req.tool_choice) if req.tools else None
+    fmt = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+    if forced is None and fmt is None:
+        return None
+    start_after = None
+    if in_reasoning:
+        start_after = tok.token_to_id("</think>")
+        if start_after is None:
+            raise APIError(400, "This model starts its answer with reasoning whose end (</think>) is not one token, "
+                                "so structured output cannot be enforced after it.",
+                           param="tool_choice" if forced is not None else "response_format")
+    if forced is not None:
+        parallel = (req.model_extra or {}).get("parallel_tool_calls") is not False
+        try:
+            return tool_call_constraint(tok, req.tools, forced, parallel=parallel, start_after=start_after)
+        except UnsupportedSchema as e:
+            raise APIError(400, str(e), param="tools") from None
+    return response_constraint(tok, fmt, start_after)
+
+
 async def chat_completions(req: ChatCompletionRequest, state: ServerState, request=None):
     state.check_model(req.model)
     loaded = state.ready()
     prompt, in_reasoning = render(state, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, state, len(prompt), loaded.context_window, logprobs)
+    params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, req, in_reasoning)
     streams = submit(state, prompt, params, req.n)
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     names = tool_names_for(req.tools, req.tool_choice)

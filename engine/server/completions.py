@@ -1,6 +1,7 @@
 """POST /v1/completions: plain-text (or token-id) prompts, no chat template."""
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import aclosing
 import uuid
@@ -9,8 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.server.chat import SSE_HEADERS, sse
 from engine.server.errors import APIError, error_body
-from engine.server.generation import (Choice, run_choices, sampling_params, submit, unless_disconnected,
-                                       usage_dict)
+from engine.server.generation import (Choice, response_constraint, run_choices, sampling_params, submit,
+                                       unless_disconnected, usage_dict)
 from engine.server.schemas import CompletionRequest
 from engine.server.state import ServerState
 
@@ -42,9 +43,11 @@ async def completions(req: CompletionRequest, state: ServerState, request=None):
         if any(not 0 <= t < tok.vocab_size for t in ids):
             raise APIError(400, f"Prompt token ids must be between 0 and {tok.vocab_size - 1}.", param="prompt")
         prompts.append((p if isinstance(p, str) else tok.decode(ids), ids))
+    constraint = await asyncio.to_thread(response_constraint, tok, req.response_format)
     streams, choices, echoes = [], [], []
     for k, (text, ids) in enumerate(prompts):
         params = sampling_params(req, state, len(ids), loaded.context_window, req.logprobs, param="prompt")
+        params.constraint = constraint  # a template: each engine sequence gets its own copy
         streams += submit(state, ids, params, req.n, param="prompt")
         for j in range(req.n):
             choices.append(Choice(k * req.n + j, tok, req.stop_list()))

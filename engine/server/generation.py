@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from engine.constrain import Constraint, UnsupportedSchema, json_object_constraint, json_schema_constraint
 from engine.engine import ContextLengthError, QueueFullError
 from engine.errors import NInferError
 from engine.sampling import SamplingParams
@@ -37,6 +38,20 @@ def sampling_params(req: SamplingFields, state: ServerState, prompt_tokens: int,
         repetition_penalty=req.repetition_penalty or 1.0,
         seed=req.seed, ignore_eos=req.ignore_eos, logprobs=logprobs,
     )
+
+
+def response_constraint(tokenizer, response_format, start_after: int | None = None) -> Constraint | None:
+    """The grammar a request's response_format asks for (None for text); a 400 when it cannot be enforced, never
+    unconstrained output. Compiling may take a moment (the first time, ~0.5 s for the tokenizer): call it in a
+    worker thread."""
+    if response_format is None or response_format.type == "text":
+        return None
+    try:
+        if response_format.type == "json_object":
+            return json_object_constraint(tokenizer, start_after)
+        return json_schema_constraint(tokenizer, response_format.json_schema.schema_, start_after)
+    except UnsupportedSchema as e:
+        raise APIError(400, str(e), param="response_format") from None
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API. Unknown fields are accepted and ignored, as OpenAI clients send many."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -36,6 +36,29 @@ class StreamOptions(_Open):
     include_usage: bool = False
 
 
+class TextFormat(_Open):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Open):
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(_Open):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class JSONSchemaFormat(_Open):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
+
+
 class SamplingFields(_Open):
     """Fields shared by the completion endpoints; None means the server's default for the current mode."""
     model: str
@@ -54,6 +77,7 @@ class SamplingFields(_Open):
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=8)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -1,0 +1,194 @@
+"""Constrained decoding: a grammar (any JSON object, a JSON Schema, a forced tool call) that a sequence's output must
+follow, enforced token by token with llguidance.
+
+Build a constraint on a request thread with one of the factories below; compiling the grammar takes a moment and
+raises ``UnsupportedSchema`` when llguidance cannot enforce the schema (the output is never left unconstrained).
+Put it in ``SamplingParams.constraint``: it is a template, never advanced itself; the engine takes a ``fresh()`` copy
+for each sequence it runs, then on its thread, for every token, masks the logits with ``apply`` and advances the
+grammar with ``accept``. When ``finished`` (the grammar is complete and nothing but EOS may follow), the sequence
+ends with finish_reason "stop". The state depends only on the output tokens accepted so far, so preemption (which
+recomputes the KV of the same tokens) leaves it valid.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from typing import Any, Iterable, Literal
+
+import numpy as np
+import torch
+
+from engine.errors import NInferError
+
+# Canonical spacing ({"a": 1, "b": [1, 2]}): the spacing models are trained on, and no room for whitespace runs (a
+# small model allowed free whitespace can loop on newlines inside an object until max_tokens).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # the Hermes form engine.server.toolcalls parses
+MAX_PARALLEL_CALLS = 8
+
+_llg_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_llg_lock = threading.Lock()
+
+
+_SCHEMA_REMEDY = ("Remove or rewrite that part of the schema (llguidance does not support e.g. 'not' or regex "
+                  "look-arounds); the output is never left unconstrained.")
+
+
+class UnsupportedSchema(NInferError):
+    """A schema (or tool parameters schema) llguidance cannot enforce."""
+
+
+class ConstraintError(NInferError):
+    """A constrained sequence cannot go on: no token is allowed, or a token off the grammar was taken."""
+
+
+def llg_tokenizer(tokenizer) -> Any:
+    """The llguidance tokenizer for an engine Tokenizer, built once per Tokenizer object (about half a second)."""
+    with _llg_lock:
+        found = _llg_tokenizers.get(tokenizer)
+        if found is None:
+            import llguidance.hf
+
+            found = llguidance.hf.from_tokenizer(tokenizer._hf, n_vocab=tokenizer.vocab_size,
+                                                 eos_token=sorted(tokenizer.eos_token_ids) or None)
+            _llg_tokenizers[tokenizer] = found
+        return found
+
+
+class Constraint:
+    """One sequence's grammar state. ``start_after``: a token id (e.g. ``</think>``) before which the output is free
+    (but may not end); the grammar applies from the token after it."""
+
+    def __init__(self, matcher, eos_ids: Iterable[int], description: str, start_after: int | None = None):
+        self._matcher = matcher
+        self._eos_ids = tuple(sorted(eos_ids))
+        self.description = description
+        self.start_after = start_after
+        self.active = start_after is None
+
+    def fresh(self) -> Constraint:
+        """A copy in the initial state, for one more sequence (this one is left as it is)."""
+        twin = Constraint(self._matcher.deep_copy(), self._eos_ids, self.description, self.start_after)
+        twin._matcher.reset()
+        return twin
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and can take nothing but EOS: the sequence must stop now."""
+        return self.active and self._matcher.is_stopped() and not self._matcher.is_error()
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """A bool mask over the vocabulary: the tokens the grammar allows next (EOS only where it may end)."""
+        if not self.active:
+            mask = torch.ones(vocab_size, dtype=torch.bool)
+            mask[[e for e in self._eos_ids if e < vocab_size]] = False
+            return mask
+        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        if self._matcher.is_error():
+            raise ConstraintError(f"The output grammar ({self.description}) failed: "
+                                  f"{_short(self._matcher.get_error())}.",
+                                  "Simplify the schema, or report the request.")
+        if len(bits) < vocab_size:
+            bits = np.concatenate([bits, np.zeros(vocab_size - len(bits), dtype=np.uint8)])
+        bits = bits[:vocab_size]
+        if not bits.any():
+            raise ConstraintError(f"No token can continue the output under its grammar ({self.description}).",
+                                  "The schema may be unsatisfiable: simplify it.")
+        return torch.from_numpy(bits.view(np.bool_))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits row [V] with disallowed tokens at -inf (a new tensor; the input is left as it is)."""
+        allowed = self.allowed(logits.shape[-1]).to(logits.device, non_blocking=True)
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def accept(self, token_id: int) -> None:
+        """Advances the grammar by the sampled token; ConstraintError when the grammar does not allow it."""
+        if not self.active:
+            self.active = token_id == self.start_after
+            return
+        if not self._matcher.consume_token(int(token_id)):
+            raise ConstraintError(f"Token {token_id} does not fit the output grammar ({self.description}): "
+                                  f"{_short(self._matcher.get_error())}", "Report the request.")
+
+
+def grammar_constraint(tokenizer, grammar: str, description: str, start_after: int | None = None) -> Constraint:
+    """A constraint from an llguidance grammar (see LLMatcher.grammar_from_*); UnsupportedSchema when invalid."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(llg_tokenizer(tokenizer), grammar, log_level=0)
+    if matcher.is_error():
+        raise UnsupportedSchema(f"The {description} cannot be enforced: {_short(matcher.get_error())}.",
+                                _SCHEMA_REMEDY)
+    return Constraint(matcher, tokenizer.eos_token_ids, description, start_after)
+
+
+def _schema_grammar(schema: Any, what: str) -> str:
+    from llguidance import LLMatcher
+
+    if not isinstance(schema, (dict, bool)):
+        raise UnsupportedSchema(f"The {what} must be a JSON Schema object, not {type(schema).__name__}.",
+                                "Send a JSON Schema object.")
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+    except (ValueError, TypeError) as err:
+        raise UnsupportedSchema(f"The {what} cannot be enforced: {_short(err)}.", "Send a valid JSON Schema.") from None
+
+
+def json_object_constraint(tokenizer, start_after: int | None = None) -> Constraint:
+    """Any JSON object."""
+    return grammar_constraint(tokenizer, _schema_grammar({"type": "object"}, "JSON object"), "JSON object",
+                              start_after)
+
+
+def json_schema_constraint(tokenizer, schema: dict, start_after: int | None = None) -> Constraint:
+    """JSON that validates against ``schema``; UnsupportedSchema when llguidance cannot enforce it."""
+    return grammar_constraint(tokenizer, _schema_grammar(schema, "JSON schema"), "JSON schema", start_after)
+
+
+def tool_call_constraint(tokenizer, tools: list[dict], name_or_required: str | Literal[True], *,
+                         parallel: bool = True, start_after: int | None = None) -> Constraint:
+    """The output is tool calls only: ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` with the
+    arguments following that tool's parameters schema. ``name_or_required``: a tool's name (exactly one call of
+    it), or True (tool_choice "required": a call of any offered tool; up to MAX_PARALLEL_CALLS when parallel)."""
+    from llguidance import LLMatcher
+
+    options = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            continue
+        if name_or_required is not True and fn["name"] != name_or_required:
+            continue
+        params = fn.get("parameters")
+        params = {"type": "object"} if params is None else params
+        _check(tokenizer, _schema_grammar(params, f"parameters schema of the tool {fn['name']!r}"),
+               f"parameters schema of the tool {fn['name']!r}")
+        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                        "required": ["name", "arguments"], "additionalProperties": False})
+    if not options:
+        raise UnsupportedSchema("No offered tool matches tool_choice, so no tool call can be forced.",
+                                "Name one of the tools in tool_choice.")
+    call = {"anyOf": options, "x-guidance": JSON_OPTIONS} if len(options) > 1 else {**options[0],
+                                                                                      "x-guidance": JSON_OPTIONS}
+    many = parallel and name_or_required is True and MAX_PARALLEL_CALLS > 1
+    start = f'call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if many else "call"
+    lark = (f"start: {start}\n"
+            f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
+            f"body: %json {json.dumps(call)}\n")
+    what = "forced tool call" if name_or_required is True else f"forced call of {name_or_required!r}"
+    return grammar_constraint(tokenizer, LLMatcher.grammar_from_lark(lark), what, start_after)
+
+
+def _check(tokenizer, grammar: str, what: str) -> None:
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, llg_tokenizer(tokenizer))
+    if is_error:
+        raise UnsupportedSchema(f"The {what} cannot be enforced: {_short(messages[0] if messages else '?')}.",
+                                _SCHEMA_REMEDY)
+
+
+def _short(err: Any, limit: int = 400) -> str:
+    text = str(err).strip().rstrip(".") or type(err).__name__
+    return text if len(text) <= limit else text[:limit] + "..."
