@@ -22,6 +22,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (-100..100)
     logprobs: int | None = None  # top-n logprobs to return per token (0 = only the chosen token's)
     extra: dict = field(default_factory=dict)
     # An engine.constrain.Constraint the output must follow (not validated here): a template, never advanced
@@ -39,6 +40,7 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
             (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20"),
+            (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be between -100 and 100"),
         ]
         problems = [msg for ok, msg in checks if not ok]
         if problems:
@@ -56,7 +58,10 @@ class SamplingParams:
 
 
 def apply_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over generated tokens; HF-style repetition penalty over all tokens."""
+    """logit_bias; OpenAI presence/frequency penalties over generated tokens; HF-style repetition penalty over all."""
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device)
     if p.repetition_penalty != 1.0 and (prompt or output):
         seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=logits.device)
         vals = logits[seen]

@@ -31,7 +31,7 @@ def sampling_params(req: SamplingFields, state: ServerState, prompt_tokens: int,
         return d[name] if value is None else value
 
     return SamplingParams(
-        max_tokens=min(wanted, room),
+        max_tokens=min(wanted, room), logit_bias=_logit_bias(req.logit_bias, state),
         temperature=0.0 if s.greedy else pick("temperature"),
         top_p=pick("top_p"), top_k=max(int(pick("top_k")), 0), min_p=pick("min_p"),
         presence_penalty=pick("presence_penalty"), frequency_penalty=pick("frequency_penalty"),
@@ -52,6 +52,23 @@ def response_constraint(tokenizer, response_format, start_after: int | None = No
         return json_schema_constraint(tokenizer, response_format.json_schema.schema_, start_after)
     except UnsupportedSchema as e:
         raise APIError(400, str(e), param="response_format") from None
+
+
+def _logit_bias(bias: dict[str, float] | None, state: ServerState) -> dict[int, float]:
+    vocab = state.ready().tokenizer.vocab_size
+    out = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0..{vocab - 1}).",
+                           param="logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias value for {key} must be between -100 and 100.", param="logit_bias")
+        out[token] = float(value)
+    return out
 
 
 @dataclass

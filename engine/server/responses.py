@@ -2,6 +2,7 @@
 pipeline (instructions, input items incl. function_call / function_call_output, function tools, streaming events)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -11,7 +12,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
-from engine.server.chat import SSE_HEADERS, render
+from engine.server.chat import SSE_HEADERS, output_constraint, render
 from engine.server.errors import APIError
 from engine.server.generation import Choice, run_choices, sampling_params, submit, unless_disconnected
 from engine.server.parsers import tool_names_for
@@ -36,6 +37,18 @@ class ResponsesRequest(_Open):
     reasoning: Reasoning | None = None
     previous_response_id: str | None = None
     parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
+
+
+def to_response_format(text: dict | None) -> dict | None:
+    """Responses' text.format (flat) -> chat's response_format (json_schema nested), so it is enforced the same way."""
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict", "description")
+                                                       if k in fmt}}
+    return fmt
 
 
 def _text(content: Any) -> str:
@@ -108,14 +121,17 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
             model=req.model, messages=to_messages(req), tools=to_chat_tools(req.tools),
             tool_choice=to_chat_tool_choice(req.tool_choice), max_tokens=req.max_output_tokens,
             temperature=req.temperature, top_p=req.top_p,
-            reasoning_effort=req.reasoning.effort if req.reasoning else None)
+            reasoning_effort=req.reasoning.effort if req.reasoning else None,
+            response_format=to_response_format(req.text), parallel_tool_calls=req.parallel_tool_calls)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
-        raise APIError(400, f"The input cannot be read as a conversation: {where}: {first['msg']}.",
-                       param="input") from None
+        param = "text.format" if first["loc"] and first["loc"][0] == "response_format" else "input"
+        raise APIError(400, f"The request cannot be read as a conversation: {where}: {first['msg']}.",
+                       param=param) from None
     prompt, in_reasoning = render(state, chat)
     params = sampling_params(chat, state, len(prompt), loaded.context_window)
+    params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)
     streams = submit(state, prompt, params, 1)
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     choice = Choice(0, loaded.tokenizer, [], reasoning=reasoning, starts_in_reasoning=in_reasoning,
@@ -150,7 +166,7 @@ class _Reply:
             "tools": self.req.tools or [], "tool_choice": self.req.tool_choice or "auto",
             "parallel_tool_calls": bool(self.req.parallel_tool_calls), "temperature": self.req.temperature,
             "top_p": self.req.top_p, "max_output_tokens": self.req.max_output_tokens, "metadata": {},
-            "text": {"format": {"type": "text"}},
+            "text": self.req.text or {"format": {"type": "text"}},
             "usage": {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": self.prompt_tokens + out_tokens},

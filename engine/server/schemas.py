@@ -77,6 +77,7 @@ class SamplingFields(_Open):
     seed: int | None = None
     n: int = Field(default=1, ge=1, le=8)
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
     response_format: ResponseFormat | None = None
 
 
@@ -96,6 +97,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=1)  # only 1: several candidates per choice are not available
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:

@@ -233,3 +233,22 @@ def test_queue_full_is_429_with_retry_after(default_engine, server, http):
         engine._admitted = saved
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "queue_full" and "--max-queue" in r.json()["error"]["message"]
+
+
+def test_logit_bias_steers_and_bad_keys_are_400(client, http, default_engine):
+    tok = default_engine.tokenizer
+    banned = tok.encode(" Paris")[0]
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=12,
+                                       logit_bias={str(banned): -100})
+    assert " Paris" not in r.choices[0].message.content
+    forced = tok.encode(" banana")[0]
+    r = client.chat.completions.create(model=MODEL, messages=FRANCE, temperature=0, max_tokens=3,
+                                       logit_bias={str(forced): 100})
+    assert r.choices[0].message.content == tok.decode([forced] * 3)
+    bad = http.post("/v1/chat/completions", json={"model": MODEL, "messages": FRANCE, "logit_bias": {"abc": 1}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logit_bias"
+
+
+def test_best_of_above_one_is_refused(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "best_of": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "best_of"

@@ -141,3 +141,21 @@ def test_forced_tool_with_a_bad_parameters_schema_is_a_400(client):
         client.chat.completions.create(model=MODEL, messages=PARIS, tools=[bad], tool_choice="required",
                                        max_tokens=10)
     assert info.value.body["param"] == "tools" and "'f'" in info.value.body["message"]
+
+
+def test_responses_text_format_json_schema_is_enforced(server):
+    import json as _json
+
+    import openai as _openai
+    client = _openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    r = client.responses.create(model="smollm2-135m-instruct", input="Name a city in France as JSON.",
+                                max_output_tokens=60, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "city", "schema": schema}})
+    assert isinstance(_json.loads(r.output_text)["city"], str)
+    with pytest.raises(_openai.BadRequestError) as e:
+        client.responses.create(model="smollm2-135m-instruct", input="x",
+                                text={"format": {"type": "json_schema", "name": "bad",
+                                                 "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}})
+    assert e.value.body["param"] in ("response_format", "text.format")
