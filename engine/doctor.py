@@ -10,6 +10,7 @@ import json
 import sys
 
 from engine.hardware import HardwareReport, probe, summarise_arch_list
+from engine.ledger import add_ledger_arguments, run_ledger, wants_ledger
 
 _TAGS = {"ok": "[OK]", "warning": "[WARN]", "error": "[ERROR]"}
 _LABEL = 10  # width of the left-hand labels
@@ -21,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check the GPU, PyTorch build, NVIDIA driver, RAM and CPU NInfer will run on.")
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
+    add_ledger_arguments(parser)  # --ledger: the memory ledger of a model and configuration (engine/ledger.py)
     return parser
 
 
@@ -78,6 +80,8 @@ def _hardware(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Other reports plug in here as their own flag and handler; the hardware report is the default.
+    if wants_ledger(args):
+        return run_ledger(args, probe)
     return _hardware(args)
 
 

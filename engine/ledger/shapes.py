@@ -1,0 +1,254 @@
+"""Model shapes the ledger plans for: from a config, a file's metadata, or a synthetic name."""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from engine.errors import ModelLoadError
+from engine.ledger.common import GIB, SYNTHETIC_NAMES, WEIGHT_BITS
+from engine.ledger.layouts import KV_LAYOUTS
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """Linear-attention (Gated-DeltaNet) layers: a fixed-size recurrent state per sequence instead of KV."""
+
+    layers: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_dim: int = 0
+    conv_kernel: int = 4
+    kind: str = "gated-deltanet"
+
+    def state_bytes(self, fp16: bool = False) -> int:
+        recurrent = self.num_v_heads * self.head_k_dim * self.head_v_dim * (2 if fp16 else 4)
+        conv = max(self.conv_kernel - 1, 0) * self.conv_dim * 2
+        return self.layers * (recurrent + conv)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the ledger needs to know about a model. ``stored_bytes``: weight bytes as stored in the file (0 when
+    unknown); ``weight_bytes_by_dtype`` pins known sizes (e.g. a published ternary file) over the formula."""
+
+    name: str
+    layers: int
+    full_attention_layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    params: int
+    heads: int = 0
+    intermediate: int = 0
+    max_position: int = 4096
+    stored_bytes: int = 0
+    stored_format: str = ""
+    source: str = "config"  # "config", "gguf", "hf", "synthetic"
+    linear: LinearAttention | None = None
+    mtp_layers: int = 0
+    state_bytes_override: int | None = None
+    weight_bytes_by_dtype: Mapping[str, int] = field(default_factory=dict)
+
+    # -- constructors
+    @classmethod
+    def from_config(cls, cfg: Any, *, stored_bytes: int = 0, stored_format: str = "", source: str = "config",
+                    params: int | None = None) -> "ModelShape":
+        """From an engine ModelConfig (every layer has full attention)."""
+        return cls(name=cfg.name or cfg.arch, layers=cfg.num_layers, full_attention_layers=cfg.num_layers,
+                   kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
+                   params=params or cfg.num_parameters(), heads=cfg.num_heads, intermediate=cfg.intermediate_size,
+                   max_position=cfg.max_position, stored_bytes=stored_bytes, stored_format=stored_format,
+                   source=source)
+
+    @classmethod
+    def synthetic(cls, name: str) -> "ModelShape":
+        if name != "qwen3.5-27b-like":
+            raise ModelLoadError(f"No synthetic model shape named {name!r}.",
+                                 f"Use one of: {', '.join(SYNTHETIC_NAMES)}, or a model path.")
+        return _qwen35_27b_like()
+
+    @classmethod
+    def from_path(cls, path: str | Path | None) -> "ModelShape":
+        """A synthetic name, a GGUF file or a Hugging Face folder (metadata only), or None for the embedded model."""
+        if path is not None and str(path) in SYNTHETIC_NAMES:
+            return cls.synthetic(str(path))
+        from engine.model.loader import resolve_model_path
+
+        p = resolve_model_path(str(path) if path else None)
+        return _folder_shape(p) if p.is_dir() else _gguf_shape(p)
+
+    # -- derived numbers
+    @property
+    def linear_layers(self) -> int:
+        return self.linear.layers if self.linear else 0
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> int:
+        return KV_LAYOUTS[kv_dtype].bytes_per_token(self.full_attention_layers, self.kv_heads, self.head_dim)
+
+    def state_bytes(self, fp16: bool = False) -> int:
+        """Recurrent-state bytes per sequence (0 for pure attention models)."""
+        if self.state_bytes_override is not None:
+            return self.state_bytes_override
+        return self.linear.state_bytes(fp16) if self.linear else 0
+
+    def weight_bytes(self, dtype: str = "auto") -> int:
+        """``auto``: as stored in the file (bf16 when unknown); otherwise parameters x the format's bits."""
+        if dtype == "auto":
+            return self.stored_bytes or self.params * 2
+        if dtype in self.weight_bytes_by_dtype:
+            return int(self.weight_bytes_by_dtype[dtype])
+        return int(self.params * WEIGHT_BITS[dtype] / 8)
+
+    def mtp_params(self) -> int:
+        """One decoder layer (attention + MLP) and the 2h -> h projection; embeddings and lm_head are shared."""
+        h = self.hidden
+        q = (self.heads or self.hidden // self.head_dim) * self.head_dim
+        attn = 2 * h * q + 2 * h * self.kv_heads * self.head_dim
+        mlp = 3 * h * (self.intermediate or 3 * h)
+        return attn + mlp + 2 * h * h + 4 * h
+
+
+def _qwen35_27b_like() -> ModelShape:
+    """Qwen3.5-27B's text model: 64 layers in blocks of 3 Gated-DeltaNet + 1 full attention (24 q heads, 4 KV heads x
+    256, gated q), hidden 5120, MLP 17,408, vocab 248,320, untied embeddings, one MTP layer. Parameters ~26.9 B
+    (bf16 53.8 GB: "~54 GB" in the seeds; the published 55.6 GB adds the vision tower and the MTP layer)."""
+    h, vocab, inter, layers, full = 5120, 248_320, 17_408, 64, 16
+    heads, kv_heads, hd = 24, 4, 256
+    kh, vh, kd, vd, kernel = 16, 48, 128, 128, 4
+    conv_dim = 2 * kh * kd + vh * vd
+    mlp = 3 * h * inter
+    attn = h * heads * hd * 2 + 2 * h * kv_heads * hd + heads * hd * h + 2 * hd  # q (+ output gate), k, v, o, q/k norms
+    gdn = h * (conv_dim + vh * vd + 2 * vh) + conv_dim * kernel + vh * vd * h + 2 * vh + vd  # in_proj qkv/z/b/a, conv,
+    # out_proj, A_log + dt_bias, norm
+    params = 2 * vocab * h + full * (attn + mlp + 2 * h) + (layers - full) * (gdn + mlp + 2 * h) + h
+    return ModelShape(
+        name="qwen3.5-27b-like", layers=layers, full_attention_layers=full, kv_heads=kv_heads, head_dim=hd, hidden=h,
+        vocab=vocab, params=params, heads=heads, intermediate=inter, max_position=262_144, stored_bytes=params * 2,
+        stored_format="bf16 (synthetic)", source="synthetic",
+        linear=LinearAttention(layers - full, vh, kd, vd, conv_dim, kernel), mtp_layers=1,
+        # seed 2: Ternary-Bonsai-2-27B is 6.70 GiB (the formula, 2 bits + an fp16 scale per 64, gives 7.05 GiB)
+        weight_bytes_by_dtype={"ternary": round(6.70 * GIB)})
+
+
+def _gguf_shape(path: Path) -> ModelShape:
+    from engine.model.config import SUPPORTED_ARCHS
+    from engine.model.gguf_file import _field, open_gguf, read_config
+
+    reader = open_gguf(path)
+    stored = sum(int(t.n_bytes) for t in reader.tensors)
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    kinds = sorted({t.tensor_type.name for t in reader.tensors})
+    fmt = f"GGUF {'/'.join(kinds)}"
+    arch = _field(reader, "general.architecture")
+    if arch in SUPPORTED_ARCHS:
+        return ModelShape.from_config(read_config(reader, path), stored_bytes=stored, stored_format=fmt,
+                                      source="gguf", params=params)
+
+    def get(key, default=None):
+        return _field(reader, f"{arch}.{key}", default)
+
+    layers, hidden = get("block_count"), get("embedding_length")
+    if not layers or not hidden:
+        raise ModelLoadError(f"{path.name}: architecture '{arch}' has no block_count/embedding_length metadata.",
+                             "The file was converted by an incompatible tool; convert it again.")
+    heads = get("attention.head_count", 0) or 0
+    heads = int(max(heads) if isinstance(heads, (list, tuple)) else heads)
+    kv = get("attention.head_count_kv", heads)
+    per_layer_kv = list(kv) if isinstance(kv, (list, tuple)) else None
+    interval = int(get("full_attention_interval", 0) or 0)
+    if per_layer_kv is not None:  # llama.cpp hybrids: 0 KV heads on recurrent layers
+        full = sum(1 for n in per_layer_kv if n)
+        kv_heads = max(per_layer_kv)
+    else:
+        kv_heads = int(kv)
+        full = int(layers) // interval if interval else int(layers)
+    head_dim = int(get("attention.key_length", int(hidden) // max(heads, 1)))
+    linear = None
+    if full < int(layers):
+        v_heads, k_heads = int(get("ssm.time_step_rank", 0)), int(get("ssm.group_count", 0))
+        k_dim = int(get("ssm.state_size", 0))
+        inner = int(get("ssm.inner_size", 0))
+        v_dim = inner // v_heads if v_heads else 0
+        linear = LinearAttention(int(layers) - full, v_heads, k_dim, v_dim, 2 * k_heads * k_dim + inner,
+                                 int(get("ssm.conv_kernel", 4)))
+    ff = get("feed_forward_length", 0)
+    return ModelShape(name=str(_field(reader, "general.name", path.stem)), layers=int(layers),
+                      full_attention_layers=full, kv_heads=kv_heads, head_dim=head_dim, hidden=int(hidden),
+                      vocab=int(get("vocab_size", 0) or len(_field(reader, "tokenizer.ggml.tokens", []) or [])),
+                      params=params, heads=heads, intermediate=int(max(ff) if isinstance(ff, list) else ff or 0),
+                      max_position=int(get("context_length", 4096)), stored_bytes=stored, stored_format=fmt,
+                      source="gguf", linear=linear, mtp_layers=int(get("nextn_predict_layers", 0) or 0))
+
+
+def _safetensors_totals(folder: Path) -> tuple[int, int, str]:
+    """(parameters, bytes, dtypes) from the safetensors headers, without reading any tensor."""
+    params = stored = 0
+    dtypes: set[str] = set()
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            params += math.prod(int(d) for d in entry.get("shape", []))
+            start, end = entry.get("data_offsets", (0, 0))
+            stored += int(end) - int(start)
+            dtypes.add(str(entry.get("dtype", "?")))
+    return params, stored, "/".join(sorted(dtypes))
+
+
+def _folder_shape(folder: Path) -> ModelShape:
+    try:
+        params, stored, dtypes = _safetensors_totals(folder)
+    except (OSError, ValueError, struct.error) as e:
+        raise ModelLoadError(f"{folder}: a safetensors header cannot be read ({e}).",
+                             "The file is truncated or damaged; download it again.") from None
+    fmt = f"safetensors {dtypes}" if dtypes else ""
+    try:
+        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{folder}/config.json cannot be read ({e}).",
+                             "Pass a GGUF file or a Hugging Face model folder (config.json + *.safetensors).") from None
+    from engine.model.config import HF_ARCHS
+
+    if any(a in HF_ARCHS for a in raw.get("architectures") or []):
+        from engine.model.hf_folder import read_config
+
+        return ModelShape.from_config(read_config(folder), stored_bytes=stored, stored_format=fmt, source="hf",
+                                      params=params or None)
+    text = raw.get("text_config") or raw  # multimodal checkpoints nest the language model's config
+    try:
+        layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+        heads = int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or hidden // heads)
+        types = text.get("layer_types") or []
+        interval = int(text.get("full_attention_interval") or 0)
+        if types:
+            full = sum(1 for t in types if t == "full_attention")
+        else:
+            full = layers // interval if interval and "linear_num_value_heads" in text else layers
+        linear = None
+        if full < layers:
+            kh, vh = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+            kd, vd = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+            linear = LinearAttention(layers - full, vh, kd, vd, 2 * kh * kd + vh * vd,
+                                     int(text.get("linear_conv_kernel_dim", 4)))
+        vocab, inter = int(text["vocab_size"]), int(text.get("intermediate_size") or 0)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{folder}/config.json: field {e} is missing or malformed.",
+                             "Download the model folder again.") from None
+    if not params:  # no weights here: estimate like a llama-style model
+        params = 2 * vocab * hidden + layers * (4 * hidden * heads * head_dim + 3 * hidden * (inter or 3 * hidden))
+    return ModelShape(name=folder.name, layers=layers, full_attention_layers=full, kv_heads=kv_heads,
+                      head_dim=head_dim, hidden=hidden, vocab=vocab, params=params, heads=heads, intermediate=inter,
+                      max_position=int(text.get("max_position_embeddings", 4096)), stored_bytes=stored,
+                      stored_format=fmt, source="hf", linear=linear,
+                      mtp_layers=int(text.get("mtp_num_hidden_layers") or 0))
