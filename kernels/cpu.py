@@ -1,0 +1,91 @@
+"""CPU paths for the quantized linear layer, built on ATen's CPU low-bit GEMM ops (torch 2.13):
+
+* `torch.ops.aten._weight_int8pack_mm(x[M, K], w int8 [N, K], scales[N] in x's dtype)`: per-channel int8 only.
+* `torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes int32 [N, K] in 0..15, innerKTiles=1)` -> uint8 [N, K/2]
+  in a blocked layout, then `torch.ops.aten._weight_int4pack_mm_for_cpu(x[M, K], packed, group, sz)` with
+  sz = scales_and_zeros [K / group, N, 2] in x's dtype and w = (q - 8) * sz[..., 0] + sz[..., 1].
+  Needs N % 16 == 0, group in {32, 64, 128, 256}. Maps our formats exactly:
+  int4_sym -> zero 0; int4_asym (q*d + m) -> zero = m + 8d; ternary (c - 1)*d -> code c + 7, zero 0.
+
+Which path `kernels.dispatch.linear` takes on the CPU is decided by the measurements in docs/KERNELS.md.
+The converted layouts are cached on the QuantizedWeight (`qw.cache`), keyed by purpose and activation dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant import QuantizedWeight, codes, dequantize
+
+INT4PACK_GROUPS = (32, 64, 128, 256)
+
+
+def has_int8pack() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+def has_int4pack() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+        torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+def int8pack_supported(qw: QuantizedWeight) -> bool:
+    return qw.format == "int8" and qw.group_size == qw.in_features and has_int8pack()
+
+
+def int4pack_supported(qw: QuantizedWeight) -> bool:
+    return (qw.format in ("int4_asym", "int4_sym", "ternary") and qw.group_size in INT4PACK_GROUPS
+            and qw.out_features % 16 == 0 and has_int4pack())
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def int8pack_linear(x: torch.Tensor, qw: QuantizedWeight,
+                    compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y = x @ dequantize(qw).T via `_weight_int8pack_mm` (per-channel int8). The op runs in `compute_dtype`
+    (default x.dtype; fp32 activations are slow in ATen's kernel, bf16 fast: see docs/KERNELS.md); y in x.dtype."""
+    cd = compute_dtype or x.dtype
+    key = ("int8pack", cd)
+    scales = qw.cache.get(key)
+    if scales is None:
+        scales = qw.cache[key] = qw.scales.reshape(-1).to(cd).contiguous()
+    y = torch.ops.aten._weight_int8pack_mm(_flat(x.to(cd)), qw.qweight, scales)
+    return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
+
+
+def int4pack_prepare(qw: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight, scales_and_zeros [K/group, N, 2] in `dtype`) for `_weight_int4pack_mm_for_cpu`, cached."""
+    key = ("int4pack", dtype)
+    hit = qw.cache.get(key)
+    if hit is not None:
+        return hit
+    packed = qw.cache.get("int4pack_w")
+    if packed is None:
+        c = codes(qw).to(torch.int32)
+        if qw.format == "ternary":
+            c = c + 7
+        packed = qw.cache["int4pack_w"] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c.contiguous(), 1)
+    d = qw.scales.float()
+    zero = qw.mins.float() + 8 * d if qw.format == "int4_asym" else torch.zeros_like(d)
+    sz = torch.stack((d.t(), zero.t()), dim=-1).to(dtype).contiguous()
+    qw.cache[key] = (packed, sz)
+    return packed, sz
+
+
+def int4pack_linear(x: torch.Tensor, qw: QuantizedWeight,
+                    compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y = x @ dequantize(qw).T via `_weight_int4pack_mm_for_cpu` (int4_asym, int4_sym, ternary), run in
+    `compute_dtype` (default x.dtype); y in x.dtype."""
+    cd = compute_dtype or x.dtype
+    packed, sz = int4pack_prepare(qw, cd)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(_flat(x.to(cd)), packed, qw.group_size, sz)
+    return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
+
+
+def dequant_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """y = F.linear(x, dequantize(qw)) with the weight dequantized on every call (no dense copy kept)."""
+    return F.linear(x, dequantize(qw, x.dtype))

@@ -1,0 +1,124 @@
+"""Pick the Triton kernel or its PyTorch twin (or an ATen CPU fast path) for each operation.
+
+`use_triton(device)` is True when triton is importable, NINFER_NO_TRITON is unset/empty/"0", and either the device is
+CUDA or TRITON_INTERPRET=1 (tests run the kernels on the CPU through the interpreter). The Triton modules are
+imported lazily (inside the functions), so this module works where triton is not installed.
+
+Public functions (same signatures as the twins in kernels/reference.py):
+  linear(x, qw, bias=None, *, prefill_dense=False, cpu_compute_dtype=CPU_COMPUTE_DTYPE)
+  dequantize_to(qw, dtype)
+  rms_norm(x, weight, eps, residual=None)
+  rope(x, positions, cos, sin)
+  silu_and_mul(x)
+  paged_decode_attention(q, k_cache, v_cache, page_table, ctx_lens, scale=None)
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu, reference
+from kernels.quant import QuantizedWeight, dequantize
+
+# The CPU low-bit ops of ATen are fast with bf16 activations and 7-160x slower with float32 ones (docs/KERNELS.md),
+# so float32 activations are rounded to bf16 for them and the result cast back. None = run in x.dtype.
+CPU_COMPUTE_DTYPE: Optional[torch.dtype] = torch.bfloat16
+# With prefill_dense=True on CUDA, a GEMM over at least this many rows dequantizes the weight once and uses cuBLAS.
+PREFILL_DENSE_MIN_ROWS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
+def use_triton(device: torch.device | str) -> bool:
+    if os.environ.get("NINFER_NO_TRITON", "") not in ("", "0"):
+        return False
+    if not triton_available():
+        return False
+    if torch.device(device).type == "cuda":
+        return True
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---------------------------------------------------------------------------------------------------- linear
+def cpu_linear_path(qw: QuantizedWeight, x_dtype: torch.dtype = torch.float32,
+                    compute_dtype: Optional[torch.dtype] = CPU_COMPUTE_DTYPE) -> str:
+    """Which CPU path `linear` takes: 'int8pack', 'int4pack' or 'dequant' (dequantize + F.linear). The ATen low-bit
+    kernels only win with bf16 activations (their float32 and float16 kernels lose to dequant: docs/KERNELS.md)."""
+    if (compute_dtype or x_dtype) == torch.bfloat16:
+        if cpu.int8pack_supported(qw):
+            return "int8pack"
+        if cpu.int4pack_supported(qw):
+            return "int4pack"
+    return "dequant"
+
+
+def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None, *,
+           prefill_dense: bool = False,
+           cpu_compute_dtype: Optional[torch.dtype] = CPU_COMPUTE_DTYPE) -> torch.Tensor:
+    """y = x @ dequantize(qw).T (+ bias), y in x.dtype. Twin: reference.quant_linear_ref."""
+    if use_triton(x.device):
+        rows = x.numel() // max(x.shape[-1], 1)
+        from kernels import qlinear
+        if prefill_dense and x.device.type == "cuda" and rows >= PREFILL_DENSE_MIN_ROWS:
+            return F.linear(x, qlinear.dequantize_to(qw, x.dtype), bias)
+        return qlinear.qlinear(x, qw, bias)
+    if x.device.type == "cpu":
+        path = cpu_linear_path(qw, x.dtype, cpu_compute_dtype)
+        if path == "int8pack":
+            y = cpu.int8pack_linear(x, qw, cpu_compute_dtype)
+        elif path == "int4pack":
+            y = cpu.int4pack_linear(x, qw, cpu_compute_dtype)
+        else:
+            y = cpu.dequant_linear(x, qw)
+        return y if bias is None else y + bias.to(y.dtype)
+    return F.linear(x, dequantize(qw, x.dtype), bias)
+
+
+def dequantize_to(qw: QuantizedWeight, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Dense [out, in] weight in `dtype`. Twin: kernels.quant.dequantize."""
+    if use_triton(qw.device):
+        from kernels import qlinear
+        return qlinear.dequantize_to(qw, dtype)
+    return dequantize(qw, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- the rest
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    if use_triton(x.device):
+        from kernels.rms_norm import rms_norm as kernel
+        return kernel(x, weight, eps, residual)
+    return reference.rms_norm_ref(x, weight, eps, residual)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    if use_triton(x.device):
+        from kernels.rope import rope as kernel
+        return kernel(x, positions, cos, sin)
+    return reference.rope_ref(x, positions, cos, sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if use_triton(x.device):
+        from kernels.silu_and_mul import silu_and_mul as kernel
+        return kernel(x)
+    return reference.silu_and_mul_ref(x)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                           ctx_lens: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+    if use_triton(q.device):
+        from kernels.paged_attention import paged_decode_attention as kernel
+        return kernel(q, k_cache, v_cache, page_table, ctx_lens, scale)
+    return reference.paged_decode_attention_ref(q, k_cache, v_cache, page_table, ctx_lens, scale)

@@ -1,0 +1,85 @@
+"""The PyTorch twins: each one DEFINES what the Triton kernel of the same name must compute (up to the tolerances in
+docs/KERNELS.md). They are also the portable fallback `kernels.dispatch` uses where Triton does not run.
+
+All arithmetic is float32; results are cast once to the output dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant import QuantizedWeight, dequantize
+
+__all__ = ["dequantize", "quant_linear_ref", "rms_norm_ref", "rope_ref", "rope_tables", "silu_and_mul_ref",
+           "paged_decode_attention_ref"]
+
+
+def quant_linear_ref(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y[..., o] = sum_i x[..., i] * w[o, i] with w = dequantize(qw), in float32, cast to x.dtype."""
+    y = x.float() @ dequantize(qw).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):
+    """HF Llama RMSNorm over the last dim: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), statistics in float32.
+    With `residual`: h = x + residual (rounded to x.dtype) is normalized and returned as the new residual:
+    returns (normed, h). Output dtype = promote(x.dtype, weight.dtype), as in the engine's layer."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    n = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    out = weight * n
+    return out if residual is None else (out, x)
+
+
+def rope_tables(head_dim: int, theta: float, n_positions: int, device: torch.device | str = "cpu"):
+    """(cos, sin) float32 [n_positions, head_dim // 2] for the default (unscaled) RoPE; inv_freq in float64 as in
+    engine/model/layers.py."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    freqs = torch.outer(torch.arange(n_positions, dtype=torch.float64), inv_freq)
+    return freqs.cos().float().to(device), freqs.sin().float().to(device)
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split (NeoX/HF) rotary embedding: x [T, H, D], positions [T], cos/sin [P, D/2] ->
+    cat(x1*cos - x2*sin, x2*cos + x1*sin) with x1 = x[..., :D/2], x2 = x[..., D/2:], i.e. x*cos + rotate_half(x)*sin."""
+    c = cos[positions].float().unsqueeze(1)
+    s = sin[positions].float().unsqueeze(1)
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2N] -> [..., N]: silu(x[..., :N]) * x[..., N:], float32, one rounding to x.dtype."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               page_table: torch.Tensor, ctx_lens: torch.Tensor,
+                               scale: Optional[float] = None) -> torch.Tensor:
+    """One decode query per sequence over its paged context.
+
+    q [B, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D]; page_table int [B, max_pages] (sequence b's token
+    p lives in page page_table[b, p // page_size], row p % page_size); ctx_lens [B] (tokens to attend, the query's
+    own token included). Hq % Hkv == 0 (GQA: q head h reads kv head h // (Hq // Hkv)). softmax(q.k * scale) @ v in
+    float32; a sequence with ctx_len 0 gets zeros. Returns [B, Hq, D] in q.dtype."""
+    B, Hq, D = q.shape
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    out = torch.zeros(B, Hq, D, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n = int(ctx_lens[b])
+        if n == 0:
+            continue
+        pages = page_table[b, :(n + page_size - 1) // page_size].long()
+        k = k_cache.index_select(0, pages).reshape(-1, Hkv, D)[:n].float().transpose(0, 1)  # [Hkv, n, D]
+        v = v_cache.index_select(0, pages).reshape(-1, Hkv, D)[:n].float().transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, scale=scale, enable_gqa=True)
+        out[b] = o.squeeze(1)
+    return out.to(q.dtype)

@@ -1,0 +1,44 @@
+"""Kernel tests run every Triton kernel on the CPU through the Triton interpreter.
+
+triton.jit decides interpreted-or-compiled when a kernel is *defined*, so TRITON_INTERPRET=1 is set here, before any
+kernels.* module with @triton.jit is imported (modules imported earlier are reloaded). The variable is then put back
+as it was, so that the rest of a combined `pytest tests` session (which collects this file before running anything)
+does not route the engine's CPU work through the interpreter via kernels.dispatch.use_triton; the autouse fixture
+below sets it again for each kernel test.
+
+Seeds: every test draws fresh random inputs from a new seed; set NINFER_TEST_SEED to replay one (the seed is printed
+with a failing test's captured output).
+"""
+import os
+import sys
+
+_SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+TRITON_MODULES = ("kernels.qlinear", "kernels.paged_attention", "kernels.rms_norm", "kernels.rope",
+                  "kernels.silu_and_mul")
+for _name in TRITON_MODULES:
+    if _name in sys.modules:
+        importlib.reload(sys.modules[_name])
+    else:
+        importlib.import_module(_name)
+
+if _SAVED_INTERPRET is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _SAVED_INTERPRET
+
+
+@pytest.fixture(autouse=True)
+def _interpret_and_seed(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("NINFER_NO_TRITON", raising=False)
+    seed = int(os.environ.get("NINFER_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    print(f"NINFER_TEST_SEED={seed}")
+    torch.manual_seed(seed)
+    yield

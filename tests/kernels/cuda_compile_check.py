@@ -1,0 +1,103 @@
+"""Compile every Triton kernel for NVIDIA targets WITHOUT a GPU (triton's bundled ptxas), with the launch parameters
+the wrappers pick on a GPU, and report registers and spills (ptxas -v). Run in a process without TRITON_INTERPRET:
+
+    python -m tests.kernels.cuda_compile_check [arch ...]      (default: 80 90; prints one JSON line per kernel)
+
+The interpreter never exercises the GPU compiler (layouts, tl.dot shape/dtype rules, register allocation); this does.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels import paged_attention, qlinear, rms_norm, rope, silu_and_mul
+
+I32 = "i32"
+
+
+def cases():
+    qsig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp16", "m_ptr": "*fp16", "y_ptr": "*bf16", "M": I32,
+            "N": I32, "K": I32, "stride_xm": I32, "stride_ym": I32, "stride_wn": I32, "stride_sn": I32, "GROUP": I32,
+            "FMT": "constexpr", "PER_CHANNEL": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+            "BLOCK_K": "constexpr", "PRECISION": "constexpr"}
+    for fmt, code in qlinear.FMT_CODE.items():
+        for per_channel in ([True, False] if fmt == "int8" else [False]):
+            for m, xdt, prec in ((1, "bf16", "tf32"), (4, "bf16", "tf32"), (256, "bf16", "tf32"), (4, "fp32", "ieee")):
+                bm, bn, bk, warps = qlinear.launch_blocks(m, 4096, 4096)
+                sig = dict(qsig, x_ptr=f"*{xdt}", y_ptr=f"*{xdt}", w_ptr="*i8" if fmt == "int8" else "*u8")
+                yield (f"qgemm {fmt}{' per-channel' if per_channel else ''} M={m} x={xdt}", qlinear._qgemm_kernel,
+                       sig, {"FMT": code, "PER_CHANNEL": per_channel, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk,
+                             "PRECISION": prec}, warps)
+        bn, bk = qlinear.DEQUANT_BLOCKS
+        yield (f"dequantize_to {fmt}", qlinear._dequant_kernel,
+               {"w_ptr": "*i8" if fmt == "int8" else "*u8", "s_ptr": "*fp16", "m_ptr": "*fp16", "out_ptr": "*bf16",
+                "N": I32, "K": I32, "stride_wn": I32, "stride_sn": I32, "stride_on": I32, "GROUP": I32,
+                "FMT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+               {"FMT": code, "BLOCK_N": bn, "BLOCK_K": bk}, 4)
+    strides = ("stride_qb stride_qh stride_kp stride_kt stride_kh stride_vp stride_vt stride_vh stride_ptb "
+               "stride_ob stride_oh D GROUP").split()
+    for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
+        for d in (64, 128):
+            for group in (4,):  # every GQA group <= 16 pads to BLOCK_G 16: one compile covers them
+                block_d, warps = paged_attention.launch_params(d)
+                sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "pt_ptr": "*i32", "len_ptr": "*i32",
+                       "o_ptr": f"*{dt}", "qk_scale": "fp32", **{s: I32 for s in strides}, "PAGE": "constexpr",
+                       "BLOCK_G": "constexpr", "BLOCK_D": "constexpr", "KV_FMT": "constexpr",
+                       "PRECISION": "constexpr"}
+                yield (f"paged_attention {dt} D={d} group={group}", paged_attention._paged_decode_kernel, sig,
+                       {"PAGE": 64, "BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_D": block_d,
+                        "KV_FMT": paged_attention.KV_FLOAT, "PRECISION": prec}, warps)
+    for has_res in (False, True):
+        yield (f"rms_norm res={has_res}", rms_norm._rms_norm_kernel,
+               {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
+                "N": I32, "stride_x": I32, "stride_r": I32, "stride_o": I32, "stride_res": I32, "eps": "fp32",
+                "HAS_RES": "constexpr", "BLOCK": "constexpr"}, {"HAS_RES": has_res, "BLOCK": 4096}, 8)
+    yield ("rope", rope._rope_kernel,
+           {"x_ptr": "*bf16", "pos_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16",
+            "H": I32, "HALF": I32, "stride_xt": I32, "stride_xh": I32, "stride_ot": I32, "stride_oh": I32,
+            "stride_c": I32, "stride_s": I32, "BLOCK_H": "constexpr", "BLOCK_D": "constexpr"},
+           {"BLOCK_H": 32, "BLOCK_D": 64}, 4)
+    yield ("silu_and_mul", silu_and_mul._silu_and_mul_kernel,
+           {"x_ptr": "*bf16", "out_ptr": "*bf16", "N": I32, "stride_x": I32, "stride_o": I32, "BLOCK": "constexpr"},
+           {"BLOCK": 1024}, 4)
+
+
+def ptxas_info(ptx: str, arch: int) -> dict:
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    gpu = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        r = subprocess.run([exe, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull], capture_output=True, text=True)
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spill = re.search(r"(\d+) bytes spill stores", r.stderr)
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else None}
+
+
+def main() -> None:
+    archs = [int(a) for a in sys.argv[1:]] or [80, 90]
+    for arch in archs:
+        target = GPUTarget("cuda", arch, 32)
+        for name, fn, sig, consts, warps in cases():
+            row = {"arch": arch, "kernel": name, "num_warps": warps}
+            try:
+                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
+                                   options={"num_warps": warps})
+                row.update(ok=True, **ptxas_info(k.asm["ptx"], arch))
+            except Exception as e:  # reported, the test fails on it
+                row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
