@@ -12,7 +12,9 @@ import torch
 from engine.engine import Engine
 from engine.errors import NInferError
 from engine.kv.cache import PAGE_SIZE, KVCache
+from engine.kv.quant import QUANT_KV_DTYPES
 from engine.model.config import ModelConfig
+from engine.model.linear import LOW_BIT, native_format
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_weights
 from engine.model.weights import Progress
@@ -45,8 +47,24 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def weight_format(name: str, weights) -> str:
+    """The low-bit format of the linear weights ("" = dense): auto keeps what a GGUF file stores (Q4_0/Q4_1 -> int4,
+    Q8_0 -> int8, TQ2_0 -> ternary) and runs other files dense."""
+    if name == "auto":
+        return native_format(weights.tensors) or ""
+    return name if name in LOW_BIT else ""
+
+
+def pick_kv_dtype(name: str, device: torch.device) -> torch.dtype | str:
+    """The KV cache's format: auto = fp32 on the CPU, bf16 on CUDA (as the weights); a float name as its torch
+    dtype; the quantized formats (k8v8, k8v4, k4v4, rk4v4) only when asked for, as their name."""
+    if name in QUANT_KV_DTYPES:
+        return name
+    return pick_dtype(name, device)
+
+
 def kv_pages(capacity: str | int, cfg: ModelConfig, max_context: int, max_concurrency: int,
-             kv_dtype: torch.dtype, device: torch.device, headroom_mib: int) -> int:
+             kv_dtype: torch.dtype | str, device: torch.device, headroom_mib: int) -> int:
     """Pages in the KV pool: an explicit token count, or what memory allows (never more than all sequences at
     full context need)."""
     pages_per_seq = -(-max_context // PAGE_SIZE)
@@ -71,7 +89,7 @@ def kv_pages(capacity: str | int, cfg: ModelConfig, max_context: int, max_concur
 def build_engine(model: str | Path | None = None, *, device: str = "auto", weight_dtype: str = "auto",
                  kv_dtype: str = "auto", max_context: int = 0, kv_capacity: str | int = "auto",
                  kv_headroom_mib: int = 1024, max_concurrency: int = 4, prefill_chunk: int = 512, threads: int = 0,
-                 max_queue: int = 64,
+                 max_queue: int = 64, max_shared_prefixes: int | str = "auto",
                  progress: Progress | None = None, cancel: threading.Event | None = None) -> LoadedEngine:
     import time
 
@@ -82,13 +100,16 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
     dev = torch.device(resolve_device(device))
     if threads and dev.type == "cpu":
         torch.set_num_threads(threads)
-    path, weights = load_weights(model, progress, cancel)
+    native = weight_dtype == "auto" or weight_dtype in LOW_BIT
+    path, weights = load_weights(model, progress, cancel, native=native)
     cfg = weights.config
     log.info("loaded %s (%s, %s): %s", path.name, cfg.arch, weights.source_format, weights.storage_summary())
     tokenizer = Tokenizer.from_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
-    wdtype = pick_dtype(weight_dtype, dev)
-    kdtype = pick_dtype(kv_dtype, dev)
-    net = LlamaModel(weights, wdtype, dev)
+    fmt = weight_format(weight_dtype, weights)
+    wdtype = pick_dtype("auto" if fmt or weight_dtype == "auto" else weight_dtype, dev)
+    kdtype = pick_kv_dtype(kv_dtype, dev)
+    net = LlamaModel(weights, wdtype, dev, fmt)
+    log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
     del weights
     if max_context > cfg.max_position:
         raise NInferError(f"--max-context {max_context} is beyond this model's trained context of "
@@ -97,5 +118,5 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
     pages = kv_pages(kv_capacity, cfg, context, max_concurrency, kdtype, dev, kv_headroom_mib)
     runner = ModelRunner(net, pages, kdtype, PAGE_SIZE)
     engine = Engine(runner, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=context,
-                    eos_ids=tokenizer.eos_token_ids, max_queue=max_queue)
+                    eos_ids=tokenizer.eos_token_ids, max_queue=max_queue, max_shared_prefixes=max_shared_prefixes)
     return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0)

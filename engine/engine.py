@@ -12,6 +12,7 @@ import torch
 
 from engine.constrain import ConstraintError
 from engine.errors import NInferError
+from engine.kv.prefix import PrefixCache, resolve_max_shared_prefixes
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token
 from engine.scheduler import Scheduler
@@ -37,10 +38,14 @@ class QueueFullError(NInferError):
 
 class Engine:
     def __init__(self, runner: ModelRunner, *, max_concurrency: int, prefill_chunk: int, max_context: int,
-                 eos_ids: frozenset[int] = frozenset(), max_queue: int = 64):
+                 eos_ids: frozenset[int] = frozenset(), max_queue: int = 64, max_shared_prefixes: int | str = 0):
         self.runner = runner
         self.pool = runner.pool
-        self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk)
+        # cached prompt prefixes, shared by later requests (0: none; build_engine and the server default to auto);
+        # the cache lives with the pool, i.e. with the model, so a later Engine over the same runner keeps it
+        self.prefix = PrefixCache.for_pool(self.pool, resolve_max_shared_prefixes(max_shared_prefixes,
+                                                                                  max_concurrency))
+        self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk, self.prefix)
         self.max_context = max_context
         self.eos_ids = eos_ids
         self._commands: queue.Queue = queue.Queue()
@@ -95,8 +100,10 @@ class Engine:
 
     def stats(self) -> dict:
         s = self.scheduler
+        # pages_free counts idle cached pages too (any allocation may evict them); pages_cached is that part
         return dict(self.counters, running=len(s.running), waiting=len(s.waiting), preemptions=s.preemptions,
-                    pages_total=self.pool.num_pages, pages_free=self.pool.num_free, page_size=self.pool.page_size)
+                    pages_total=self.pool.num_pages, pages_free=self.pool.num_free, page_size=self.pool.page_size,
+                    pages_cached=self.pool.num_cached, **s.prefix_stats())
 
     # ---- the engine thread ----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -150,6 +157,7 @@ class Engine:
         self._account(plan, time.perf_counter() - t0)
         for (seq, n), rows in zip(plan, logits):
             seq.num_computed += n
+            self.scheduler.computed(seq)
             if rows is None:
                 continue
             try:

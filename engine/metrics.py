@@ -7,7 +7,8 @@ servers can live in one process. What it measures:
   middleware that sits outside the security middleware, so its refusals are counted too);
 - time to first token (a histogram fed by a callback in ``engine.on_first_token``; ``attach(engine)`` registers it);
 - everything else is read from ``Engine.stats()`` at scrape/snapshot time by a custom collector: queue depth,
-  running sequences, KV pages, preemptions, engine request outcomes, token and time counters, and prefill/decode
+  running sequences, KV pages, prefix reuse (hits, hit ratio, cached pages and chains, evictions), preemptions,
+  engine request outcomes, token and time counters, and prefill/decode
   speeds, both as lifetime averages (tokens / engine seconds spent on them) and over the recent window (the delta of
   the same counters since the previous scrape, or since the previous snapshot: each consumer has its own window).
 
@@ -31,7 +32,9 @@ OTHER_ROUTE = "other"  # the route label of paths that match no route (keeps the
 # Engine.stats() keys, with their value when an engine (or a test double) does not report them.
 _STAT_DEFAULTS = dict(requests=0, finished=0, aborted=0, errors=0, prefill_tokens=0, decode_tokens=0,
                       prefill_seconds=0.0, decode_seconds=0.0, steps=0, running=0, waiting=0, preemptions=0,
-                      pages_total=0, pages_free=0, page_size=0)
+                      pages_total=0, pages_free=0, page_size=0, pages_cached=0, prefix_hits=0, prefix_hit_tokens=0,
+                      prefix_prompt_tokens=0, prefix_hit_ratio=0.0, prefix_cached_pages=0, prefix_chains=0,
+                      prefix_evicted_pages=0)
 _RATE_KEYS = ("prefill_tokens", "prefill_seconds", "decode_tokens", "decode_seconds")
 
 
@@ -187,7 +190,16 @@ class _EngineCollector:
             ("ninfer_requests_waiting", "Requests queued for a free slot (queue depth).", "waiting"),
             ("ninfer_requests_running", "Sequences being generated now.", "running"),
             ("ninfer_kv_pages_used", "KV-cache pages held by sequences.", "pages_used"),
-            ("ninfer_kv_pages_free", "KV-cache pages free.", "pages_free"),
+            ("ninfer_kv_pages_free", "KV-cache pages free, counting idle cached prefix pages (evicted on demand).",
+             "pages_free"),
+            ("ninfer_kv_pages_cached", "Idle KV-cache pages keeping a reusable prompt prefix (part of the free ones).",
+             "pages_cached"),
+            ("ninfer_prefix_cached_pages", "KV-cache pages registered for prefix reuse, held or idle.",
+             "prefix_cached_pages"),
+            ("ninfer_prefix_cached_chains", "Distinct cached prompt prefixes (bounded by --max-shared-prefixes).",
+             "prefix_chains"),
+            ("ninfer_prefix_hit_ratio", "Prompt tokens served from cached prefixes / prompt tokens admitted.",
+             "prefix_hit_ratio"),
             ("ninfer_kv_pages_capacity", "KV-cache pages in all (used + free).", "pages_total"),
             ("ninfer_kv_page_size_tokens", "Tokens per KV-cache page.", "page_size"),
         ]
@@ -211,6 +223,13 @@ class _EngineCollector:
             ("ninfer_prefill_seconds", "Engine seconds spent on prompt tokens.", "prefill_seconds"),
             ("ninfer_decode_seconds", "Engine seconds spent on decode tokens.", "decode_seconds"),
             ("ninfer_engine_steps", "Scheduler steps run.", "steps"),
+            ("ninfer_prefix_hits", "Requests that reused a cached prompt prefix.", "prefix_hits"),
+            ("ninfer_prefix_hit_tokens", "Prompt tokens served from cached prefixes instead of computed.",
+             "prefix_hit_tokens"),
+            ("ninfer_prefix_prompt_tokens", "Prompt tokens of admitted requests (the hit ratio's denominator).",
+             "prefix_prompt_tokens"),
+            ("ninfer_prefix_evicted_pages", "Cached prefix pages evicted (for room, or beyond --max-shared-prefixes).",
+             "prefix_evicted_pages"),
         ]
         for name, doc, key in counters:
             yield CounterMetricFamily(name, doc, value=stats[key])

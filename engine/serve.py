@@ -26,7 +26,7 @@ def engine_kwargs(settings: Settings) -> dict:
                 max_context=settings.max_context, kv_capacity=settings.kv_capacity,
                 kv_headroom_mib=settings.kv_headroom_mib, max_concurrency=settings.max_concurrency,
                 prefill_chunk=settings.prefill_chunk, threads=settings.threads,
-                max_queue=settings.max_queue)
+                max_queue=settings.max_queue, max_shared_prefixes=settings.max_shared_prefixes)
 
 
 def load_in_background(state, settings: Settings, on_failure=None) -> threading.Thread:

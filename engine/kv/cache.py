@@ -1,34 +1,112 @@
-"""The KV tensors: per layer, keys and values stored in fixed-size pages."""
+"""The KV tensors: per layer, keys and values stored in fixed-size pages, as floats or quantized (engine/kv/quant.py).
+
+Every tensor of a layer is shaped [num_pages, page_size, num_kv_heads, ...], so a page id means the same slots in
+all of them: page bookkeeping (allocation, prefix reuse, windows) never needs to know the number format."""
 from __future__ import annotations
 
 import torch
+
+from engine.kv import quant
+from engine.kv.quant import kv_format
 
 PAGE_SIZE = 64
 
 
 class KVCache:
+    """`dtype`: a torch float dtype or a kv_dtype name (fp32, fp16, bf16, k8v8, k8v4, k4v4, rk4v4).
+
+    `k[layer]` / `v[layer]` hold the floats, or the quantized codes (int8 [.., D] or packed int4 uint8 [.., D/2]);
+    `k_scale[layer]` / `v_scale[layer]` the fp16 scales [.., D / group] (None for floats). For the rk* formats K is
+    stored in the Hadamard-rotated basis: `gather` returns it so, and `rotate_queries` brings q into the same basis."""
+
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, page_size: int = PAGE_SIZE):
+                 dtype: torch.dtype | str, device: torch.device, page_size: int = PAGE_SIZE):
         self.page_size = page_size
         self.num_pages = num_pages
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.format = kv_format(dtype)
+        self.kv_dtype = self.format.name
+        self.head_dim = head_dim
+        lead = (num_pages, page_size, num_kv_heads)
+
+        def alloc(part):
+            tensors = {name: [torch.zeros(lead + (n,), dtype=dt, device=device) for _ in range(num_layers)]
+                       for name, n, dt in quant.part_layout(part, head_dim)}
+            return tensors["data"], tensors.get("scale")
+
+        self.k, self.k_scale = alloc(self.format.k)
+        self.v, self.v_scale = alloc(self.format.v)
+
+    # ---- sizes ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> int:
+        """KV bytes one token takes over all layers, codes and scales included (the same layout __init__ allocates)."""
+        fmt = kv_format(dtype)
+        per_head = sum(n * torch.empty(0, dtype=dt).element_size()
+                       for part in (fmt.k, fmt.v) for _, n, dt in quant.part_layout(part, head_dim))
+        return num_layers * num_kv_heads * per_head
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over all layers, counted from the allocated tensors."""
+        tensors = [t for group in (self.k, self.v, self.k_scale, self.v_scale) if group for t in group]
+        return sum(t.numel() * t.element_size() for t in tensors) // self.num_pages
+
+    @property
+    def token_bytes(self) -> int:
+        return self.page_bytes // self.page_size
+
+    # ---- writing and reading ----------------------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores this step's k/v [T, Hkv, D] at flat slots (page * page_size + offset), quantizing on the way."""
+        fmt = self.format
+        if fmt.k.rotate:
+            k = quant.rotate(k, torch.float32)
+        self._put(self.k[layer], self.k_scale[layer] if fmt.k.quantized else None, fmt.k.bits, slots, k)
+        self._put(self.v[layer], self.v_scale[layer] if fmt.v.quantized else None, fmt.v.bits, slots, v)
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    def _put(data: torch.Tensor, scale: torch.Tensor | None, bits: int | None, slots: torch.Tensor,
+             x: torch.Tensor) -> None:
+        if scale is None:
+            data.view(-1, *data.shape[2:]).index_copy_(0, slots, x.to(data.dtype))
+            return
+        codes, s = quant.quantize(x, bits)
+        data.view(-1, *data.shape[2:]).index_copy_(0, slots, codes)
+        scale.view(-1, *scale.shape[2:]).index_copy_(0, slots, s)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer].view(-1, *k.shape[1:]).index_copy_(0, slots, k.to(self.k[layer].dtype))
-        self.v[layer].view(-1, *v.shape[1:]).index_copy_(0, slots, v.to(self.v[layer].dtype))
+    def gather(self, layer: int, pages: torch.Tensor, length: int,
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` tokens' K and V along the page list, each [length, Hkv, D], in `dtype` (default: the
+        stored float dtype, or float32 for quantized parts). K of an rk* format is in the rotated basis."""
+        fmt = self.format
+        k = self._take(self.k[layer], self.k_scale[layer] if fmt.k.quantized else None, fmt.k.bits, pages,
+                       length, dtype)
+        v = self._take(self.v[layer], self.v_scale[layer] if fmt.v.quantized else None, fmt.v.bits, pages,
+                       length, dtype)
+        return k, v
 
-    def gather(self, layer: int, pages: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` tokens' K and V along the page list, each [length, Hkv, D]."""
-        k, v = self.k[layer], self.v[layer]
-        if pages.numel() == 1:
-            p = int(pages[0])
-            return k[p, :length], v[p, :length]
-        heads = k.shape[2:]
-        return (k.index_select(0, pages).view(-1, *heads)[:length],
-                v.index_select(0, pages).view(-1, *heads)[:length])
+    @staticmethod
+    def _take(data: torch.Tensor, scale: torch.Tensor | None, bits: int | None, pages: torch.Tensor, length: int,
+              dtype: torch.dtype | None) -> torch.Tensor:
+        def rows(t):
+            if pages.numel() == 1:
+                return t[int(pages[0]), :length]
+            return t.index_select(0, pages).view(-1, *t.shape[2:])[:length]
+
+        if scale is None:
+            x = rows(data)
+            return x if dtype is None else x.to(dtype)
+        return quant.dequantize(rows(data), rows(scale), bits, dtype or torch.float32)
+
+    def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D] in the basis gather's K is in: rotated for the rk* formats, q itself otherwise."""
+        return quant.rotate(q) if self.format.k.rotate else q
+
+    def copy_pages(self, src: torch.Tensor | list[int], dst: torch.Tensor | list[int]) -> None:
+        """Copies whole pages (codes and scales, every layer): page src[i] -> dst[i]."""
+        device = self.k[0].device
+        src = torch.as_tensor(src, dtype=torch.long, device=device)
+        dst = torch.as_tensor(dst, dtype=torch.long, device=device)
+        for group in (self.k, self.v, self.k_scale, self.v_scale):
+            for t in group or ():
+                t.index_copy_(0, dst, t.index_select(0, src))

@@ -12,6 +12,8 @@ from gguf.quants import dequantize
 
 from engine.errors import ModelLoadError
 from engine.model.config import SUPPORTED_ARCHS, ModelConfig
+from engine.model.linear import is_linear
+from kernels.quant import from_gguf
 from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete, expected_shapes
 
 _LAYER_NAMES = {
@@ -121,8 +123,13 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: Path, progress: Progress | None = None,
-              cancel: threading.Event | None = None) -> LoadedWeights:
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "TQ2_0")  # kept as stored (kernels.quant) when native=True
+
+
+def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Event | None = None,
+              native: bool = False) -> LoadedWeights:
+    """Tensors under HF names: dequantized to float32, or with native=True the linear weights stored as
+    Q4_0/Q4_1/Q8_0/TQ2_0 kept in that format as kernels.quant.QuantizedWeight (no requantizing)."""
     reader = open_gguf(path)
     cfg = read_config(reader, path)
     tensors: dict[str, torch.Tensor] = {}
@@ -135,15 +142,26 @@ def load_gguf(path: Path, progress: Progress | None = None,
         if name is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        storage[name] = t.tensor_type.name
+        permute = cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")) and shape == expected.get(name)
+        heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+        if native and is_linear(name) and t.tensor_type.name in NATIVE_TYPES and len(shape) == 2:
+            raw = np.array(t.data, dtype=np.uint8, order="C").reshape(shape[0], -1)
+            if permute:  # whole rows move, so the packed blocks can be reordered as they are
+                raw = np.ascontiguousarray(_unpermute(raw, heads))
+            try:
+                tensors[name] = from_gguf(torch.from_numpy(raw), t.tensor_type.name, shape)
+            except ValueError as e:
+                raise ModelLoadError(f"{path.name}: tensor {t.name} ({t.tensor_type.name}) cannot be read: {e}.",
+                                     "The file is damaged; download it again.") from None
+            continue
         try:
             arr = dequantize(t.data, GGMLQuantizationType(t.tensor_type)).reshape(shape)
         except Exception as e:
             raise ModelLoadError(f"{path.name}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {e}.",
                                  "The file is damaged or uses a quantization this version cannot read.") from None
-        if cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")) and shape == expected.get(name):
-            # (a tensor of the wrong shape is left as it is, for check_complete to name it)
-            arr = _unpermute(arr, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        if permute:  # (a tensor of the wrong shape is left as it is, for check_complete to name it)
+            arr = _unpermute(arr, heads)
         tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own copy: the file stays read-only
-        storage[name] = t.tensor_type.name
     check_complete(cfg, tensors, path.name)
     return LoadedWeights(cfg, tensors, "gguf", storage)

@@ -76,10 +76,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens. Writes k/v into the pages, then attends each sequence
     over its whole context (earlier pages plus this step), causally within the step."""
     cache = batch.kv
-    cache.write(layer, batch.slots, k, v)
+    cache.write(layer, batch.slots, k, v)  # quantizes for the k8/k4/v8/v4 formats
+    # rk* formats keep K Hadamard-rotated: rotating this step's q (T rows) is cheaper than un-rotating every K row
+    q = cache.rotate_queries(q)
     out = torch.empty_like(q)
     for s in batch.seqs:
-        keys, values = cache.gather(layer, s.pages, s.ctx_len)  # [ctx, Hkv, D]
+        keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype)  # [ctx, Hkv, D], dequantized to q's dtype
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
         kt, vt = keys.transpose(0, 1), values.transpose(0, 1)
         if s.q_len == 1:

@@ -21,7 +21,8 @@ def resolve_model_path(model: str | Path | None) -> Path:
 
 
 def load_weights(model: str | Path | None, progress: Progress | None = None,
-                 cancel: threading.Event | None = None) -> tuple[Path, LoadedWeights]:
+                 cancel: threading.Event | None = None, native: bool = False) -> tuple[Path, LoadedWeights]:
+    """native: keep GGUF low-bit linear weights as stored (see gguf_file.load_gguf); HF folders load dense."""
     path = resolve_model_path(model)
     if path.is_dir():
         from engine.model.hf_folder import load_folder
@@ -33,4 +34,4 @@ def load_weights(model: str | Path | None, progress: Progress | None = None,
             raise ModelLoadError(f"{path.name} is neither a GGUF file nor a model folder.",
                                  "Pass a .gguf file or a folder with config.json and *.safetensors.")
     from engine.model.gguf_file import load_gguf
-    return path, load_gguf(path, progress, cancel)
+    return path, load_gguf(path, progress, cancel, native)

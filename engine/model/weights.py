@@ -9,6 +9,7 @@ import torch
 
 from engine.errors import ModelLoadError, NInferError
 from engine.model.config import ModelConfig
+from kernels.quant import QuantizedWeight  # noqa: F401  (the type of low-bit tensors)
 
 Progress = Callable[[float, str], None]
 
@@ -21,7 +22,8 @@ class LoadCancelled(NInferError):
 @dataclass
 class LoadedWeights:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # HF names, e.g. model.layers.0.self_attn.q_proj.weight, float32 on CPU
+    tensors: dict[str, "torch.Tensor | QuantizedWeight"]  # HF names (model.layers.0.self_attn.q_proj.weight ...):
+    # float32 on the CPU, or low-bit linear weights kept as stored in a GGUF file (kernels.quant.QuantizedWeight)
     source_format: str  # "gguf" | "hf"
     storage: dict[str, str] = field(default_factory=dict)  # tensor name -> stored type (Q4_1, F32, bf16, ...)
 

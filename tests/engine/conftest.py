@@ -22,7 +22,7 @@ def default_engine():
     """build_engine on the embedded SmolLM2 GGUF, started; shut down at the end of the session."""
     from engine.build import build_engine
 
-    loaded = build_engine(None, max_concurrency=4, max_context=2048)
+    loaded = build_engine(None, max_concurrency=4, max_context=2048, weight_dtype="fp32")  # the oracle tests compare fp32
     loaded.engine.start()
     yield loaded
     loaded.engine.shutdown()

@@ -318,10 +318,8 @@ def test_none_means_process_argv_and_environment(monkeypatch):
 # ---------------------------------------------------------------- features not in this version
 
 UNAVAILABLE = [  # (setting, a value this version rejects)
-    ("weight_dtype", "int8"), ("weight_dtype", "int4"), ("weight_dtype", "ternary"),
     ("cuda_graphs", "on"), ("prefill_cublas", True), ("gdn_state_fp16", True),
-    ("kv_dtype", "k8v8"), ("kv_dtype", "k8v4"), ("kv_dtype", "k4v4"), ("kv_dtype", "rk4v4"),
-    ("host_kv_mib", 1024), ("max_shared_prefixes", 3), ("kv_window", 16384), ("kv_retrieve", 8192),
+    ("host_kv_mib", 1024), ("kv_window", 16384), ("kv_retrieve", 8192),
     ("kv_ring", "on"), ("host_pageable", True), ("kv_reuse_hostbacked", True),
     ("spec", "ngram"), ("spec", "draft"), ("spec", "mtp"), ("spec", "dflash2"),
     ("draft_tokens", 4), ("draft_model", "draft.gguf"), ("lm_head_draft", True),
@@ -354,7 +352,8 @@ def test_unavailable_value_is_rejected(name, value):
     assert getattr(settings, name) == s.default
 
 
-@pytest.mark.parametrize("name, value", [("weight_dtype", "bf16"), ("kv_dtype", "fp16"), ("cuda_graphs", "off"),
+@pytest.mark.parametrize("name, value", [("weight_dtype", "bf16"), ("kv_dtype", "fp16"), ("kv_dtype", "k8v4"),
+                                         ("kv_dtype", "rk4v4"), ("cuda_graphs", "off"),
                                          ("max_shared_prefixes", 0), ("kv_ring", "off"), ("spec", "none")])
 def test_available_non_default_values_are_accepted(name, value):
     settings = settings_from_mapping({name: value}, "app")
@@ -363,7 +362,7 @@ def test_available_non_default_values_are_accepted(name, value):
 
 def test_12gb_mtp_preset_fails_listing_every_unavailable_feature():
     problems = problems_of(["--preset", "12gb-mtp"])
-    expected = ["--kv-dtype k8v4", "--host-kv-mib 8192", "--kv-window 16384", "--kv-retrieve 8192", "--kv-ring on",
+    expected = ["--host-kv-mib 8192", "--kv-window 16384", "--kv-retrieve 8192", "--kv-ring on",
                 "--host-pageable true", "--kv-reuse-hostbacked true", "--spec mtp", "--draft-tokens 4"]
     assert len(problems) == len(expected)
     for needle in expected:
@@ -384,8 +383,8 @@ def test_12gb_mtp_with_unavailable_features_overridden_still_needs_ring_mode():
 
 def test_rtx3060_ternary_preset_fails_listing_every_unavailable_feature():
     problems = problems_of(["--preset", "rtx3060-ternary"])
-    expected = ["--weight-dtype ternary", "--kv-window 65536", "--host-pageable true", "--kv-reuse-hostbacked true",
-                "--kv-dtype rk4v4", "--gdn-state-fp16 true", "--host-kv-mib 2048", "--prefill-cublas true",
+    expected = ["--kv-window 65536", "--host-pageable true", "--kv-reuse-hostbacked true",
+                "--gdn-state-fp16 true", "--host-kv-mib 2048", "--prefill-cublas true",
                 "--spec mtp", "--draft-tokens 5"]
     assert len(problems) == len(expected)
     for needle in expected:

@@ -1,0 +1,259 @@
+"""Automatic prefix reuse: full KV pages are remembered by the tokens that led to them, and a new sequence whose
+prompt starts with the same tokens shares those pages instead of computing them again.
+
+- A page is identified by a key chained over token ids: ``key_i = blake2b(key_{i-1} + tokens of page i)``, so a key
+  names the whole prefix up to and including its page. An entry also keeps its page's tokens and its parent entry,
+  and a hit compares both: a hash collision can only cost a miss, never serve the wrong KV.
+- Only full pages whose KV has been computed are registered, by the sequence that computed them; a registered page
+  is never written again (a sequence writes only from its ``num_computed`` on, which is past every page it shares).
+  When a sequence computes a page whose key is already cached (two requests prefilling the same prefix at once), it
+  switches to the cached page and frees its own copy, so every holder of a cached page also holds all of that
+  page's ancestors; the cached pages form a forest closed under "parent of".
+- A hit never covers the page holding the last token to compute: it is capped at ``len(tokens) - 1`` tokens,
+  rounded down to a page, so that token is computed (its logits are needed) and written into the sequence's own
+  page.
+- A cached page that no sequence holds is idle: it stays in an LRU (least recently released first, tails before
+  heads) and counts as available. An allocation takes free pages first, then evicts idle leaves (pages with no
+  cached child), so cached prefixes never cause a refusal.
+- ``max_chains`` bounds the distinct cached prefixes (leaves of the forest): beyond it, the least recently used idle
+  chains are evicted back to the free list, up to the first page another chain or a running sequence still needs.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.kv.pages import PagePool
+
+log = logging.getLogger("ninfer.prefix")
+
+AUTO_MIN_PREFIXES = 8  # max_shared_prefixes auto = max(max_concurrency, this)
+
+
+def resolve_max_shared_prefixes(setting: int | str, max_concurrency: int) -> int:
+    """The bound on cached prefixes: an int >= 0 as given (0 turns reuse off), or auto."""
+    if setting == "auto":
+        return max(max_concurrency, AUTO_MIN_PREFIXES)
+    value = int(setting)
+    if value < 0:
+        raise ValueError(f"max_shared_prefixes must be auto or >= 0, not {setting!r}")
+    return value
+
+
+def page_key(parent: bytes, tokens) -> bytes:
+    """The chained key of a page: a strong hash of the parent's key and this page's token ids."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class Entry:
+    key: bytes
+    page: int
+    tokens: tuple[int, ...]
+    parent: "Entry | None"
+    children: int = 0  # cached entries whose parent this is
+
+
+@dataclass(eq=False)
+class _Progress:
+    """How far a running sequence's pages are registered: its first `pages` pages; `last` is the entry of the last."""
+    seq: object
+    pages: int
+    last: Entry | None
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool, max_chains: int):
+        if pool.cache is not None:
+            raise ValueError("this page pool already has a prefix cache")
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.max_chains = max_chains
+        self._by_key: dict[bytes, Entry] = {}
+        self._by_page: dict[int, Entry] = {}
+        self._idle: OrderedDict[int, None] = OrderedDict()  # idle cached pages, least recently released first
+        self._progress: dict[int, _Progress] = {}  # id(sequence) -> its registration progress
+        self._leaves = 0
+        self.evicted_pages = 0
+        pool.cache = self
+
+    @classmethod
+    def for_pool(cls, pool: PagePool, max_chains: int) -> "PrefixCache | None":
+        """The pool's prefix cache with this bound (the one already attached is kept: its pages stay valid for the
+        same model), or None, with any cache emptied and detached, when max_chains is 0."""
+        cache = pool.cache
+        if max_chains <= 0:
+            if cache is not None:
+                cache.clear()
+                pool.cache = None
+            return None
+        if cache is None:
+            return cls(pool, max_chains)
+        cache.max_chains = max_chains
+        cache.trim()
+        return cache
+
+    # ---- what the pool asks ----------------------------------------------------------------------------------
+    @property
+    def num_idle(self) -> int:
+        return len(self._idle)
+
+    def released(self, page: int) -> bool:
+        if page in self._by_page:
+            self._idle[page] = None
+            return True
+        return False
+
+    def pinned(self, page: int) -> None:
+        del self._idle[page]
+
+    def evict(self) -> int:
+        """Forgets the least recently used idle leaf page and returns it (the pool hands it out)."""
+        for page in self._idle:
+            entry = self._by_page[page]
+            if entry.children == 0:
+                self._drop(entry)
+                self.evicted_pages += 1
+                return page
+        raise MemoryError("no idle cached page to evict")  # cannot happen: idle pages' cached children are idle
+
+    # ---- what the scheduler asks -----------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        """Cached pages in all, held by sequences or idle."""
+        return len(self._by_page)
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._by_page
+
+    @property
+    def num_chains(self) -> int:
+        """Distinct cached prefixes: the leaves of the forest."""
+        return self._leaves
+
+    def reusable_tokens(self, num_tokens: int) -> int:
+        """The most a hit may cover for a sequence of num_tokens tokens (the last one is always computed)."""
+        return max(num_tokens - 1, 0) // self.page_size * self.page_size
+
+    def match(self, tokens: list[int]) -> list[Entry]:
+        """The cached entries of the longest cached prefix of `tokens` (capped, see reusable_tokens)."""
+        p = self.page_size
+        found: list[Entry] = []
+        key, parent = b"", None
+        for i in range(self.reusable_tokens(len(tokens)) // p):
+            chunk = tuple(tokens[i * p:(i + 1) * p])
+            key = page_key(key, chunk)
+            entry = self._by_key.get(key)
+            if entry is None or entry.tokens != chunk or entry.parent is not parent:
+                break
+            found.append(entry)
+            parent = entry
+        return found
+
+    def admitted(self, seq, hits: list[Entry]) -> None:
+        """`seq` runs with the hit pages as the head of its page table (the scheduler shared them)."""
+        self._progress[id(seq)] = _Progress(seq, len(hits), hits[-1] if hits else None)
+
+    def register(self, seq) -> None:
+        """Registers the sequence's pages that are now full and computed."""
+        prog = self._progress.get(id(seq))
+        if prog is None or prog.seq is not seq:
+            return
+        p = self.page_size
+        full = min(seq.num_computed, len(seq.tokens)) // p
+        if prog.pages >= full:
+            return
+        last = prog.last
+        key = last.key if last is not None else b""
+        while prog.pages < full:
+            n = prog.pages
+            chunk = tuple(seq.tokens[n * p:(n + 1) * p])
+            key = page_key(key, chunk)
+            page = seq.pages[n]
+            entry = self._by_key.get(key)
+            if entry is None:
+                entry = Entry(key, page, chunk, last)
+                self._by_key[key] = entry
+                self._by_page[page] = entry
+                if last is not None:
+                    self._leaves -= last.children == 0
+                    last.children += 1
+                self._leaves += 1
+            elif entry.page != page:
+                if entry.tokens != chunk or entry.parent is not last:  # a key collision: stop caching this one
+                    log.warning("prefix cache key collision; sequence %s is not cached further",
+                                getattr(seq, "request_id", "?"))
+                    del self._progress[id(seq)]
+                    return
+                # the same prefix was computed and cached meanwhile: share that page, give ours back
+                self.pool.share([entry.page])
+                self.pool.deallocate([page])
+                seq.pages[n] = entry.page
+            prog.pages, prog.last, last = n + 1, entry, entry
+        self.trim()
+
+    def forget(self, seq) -> None:
+        """The sequence released its pages (finished, aborted or preempted)."""
+        prog = self._progress.get(id(seq))
+        if prog is not None and prog.seq is seq:
+            del self._progress[id(seq)]
+        self.trim()
+
+    def trim(self) -> None:
+        """Evicts least recently used idle chains while there are more than max_chains."""
+        while self._leaves > self.max_chains:
+            leaf = next((self._by_page[page] for page in self._idle if self._by_page[page].children == 0), None)
+            if leaf is None:
+                return  # the rest are held by running sequences: trimmed when they end
+            entry = leaf
+            while entry is not None and entry.children == 0 and self.pool.refcount(entry.page) == 0:
+                parent = entry.parent
+                self._drop(entry)
+                self.pool.give_back(entry.page)
+                self.evicted_pages += 1
+                entry = parent
+
+    def clear(self) -> None:
+        """Forgets every cached page: idle ones go back to the pool, held ones are freed when released."""
+        for page in list(self._idle):
+            del self._idle[page]
+            self.pool.give_back(page)
+        self._by_key.clear()
+        self._by_page.clear()
+        self._progress.clear()
+        self._leaves = 0
+
+    def _drop(self, entry: Entry) -> None:
+        assert entry.children == 0
+        del self._by_key[entry.key]
+        del self._by_page[entry.page]
+        self._idle.pop(entry.page, None)
+        self._leaves -= 1
+        parent = entry.parent
+        if parent is not None:
+            parent.children -= 1
+            self._leaves += parent.children == 0
+
+    # ---- checks ----------------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Asserts the cache's invariants (for tests): counts, forest closure, idle pages unheld."""
+        children: dict[int, int] = {}
+        for key, entry in self._by_key.items():
+            assert entry.key == key and self._by_page[entry.page] is entry
+            assert entry.parent is None or self._by_key.get(entry.parent.key) is entry.parent
+            assert page_key(entry.parent.key if entry.parent else b"", entry.tokens) == key
+            if entry.parent is not None:
+                children[id(entry.parent)] = children.get(id(entry.parent), 0) + 1
+        assert len(self._by_page) == len(self._by_key)
+        for entry in self._by_key.values():
+            assert entry.children == children.get(id(entry), 0)
+            held = self.pool.refcount(entry.page) > 0
+            assert held != (entry.page in self._idle)
+            if held and entry.parent is not None:
+                assert self.pool.refcount(entry.parent.page) > 0
+        assert self._leaves == sum(1 for e in self._by_key.values() if e.children == 0)

@@ -1,0 +1,95 @@
+"""Low-bit weights in the model: GGUF Q4_1 kept as stored, quantize-at-load for HF folders, same greedy tokens."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize as gguf_dequantize
+
+from engine.build import build_engine
+from engine.model.default import default_model_path
+from engine.model.llama import LlamaModel
+from engine.model.loader import load_weights
+from engine.runner import ModelRunner, Work
+from engine.sampling import SamplingParams
+from kernels.quant import QuantizedWeight, dequantize
+from tests.engine.helpers import tiny_hf_model
+
+PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a long story about a dragon.",
+           "List three prime numbers and explain why they are prime."]
+
+
+@pytest.fixture(scope="module")
+def native_weights():
+    return load_weights(None, native=True)[1]
+
+
+def test_native_load_keeps_q4_1_blocks_exactly(native_weights):
+    reader = GGUFReader(default_model_path())
+    t = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
+    qw = native_weights.tensors["model.layers.3.mlp.down_proj.weight"]
+    assert isinstance(qw, QuantizedWeight) and qw.format == "int4_asym" and qw.group_size == 32
+    ref = gguf_dequantize(t.data, GGMLQuantizationType(t.tensor_type)).reshape(qw.shape)
+    assert torch.equal(dequantize(qw, torch.float32), torch.from_numpy(np.ascontiguousarray(ref)).float())
+
+
+def test_native_q_k_rows_are_unpermuted_like_the_dense_path(native_weights):
+    dense = load_weights(None)[1]
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.7.self_attn.k_proj.weight"):
+        assert torch.equal(dequantize(native_weights.tensors[name], torch.float32), dense.tensors[name])
+
+
+@pytest.fixture(scope="module")
+def engines():
+    made = {wd: build_engine(None, weight_dtype=wd, max_concurrency=1, max_context=1024) for wd in ("fp32", "int4")}
+    for le in made.values():
+        le.engine.start()
+    yield made
+    for le in made.values():
+        le.engine.shutdown()
+
+
+def test_auto_runs_the_default_model_as_int4_and_reads_far_fewer_bytes(engines):
+    auto = build_engine(None, max_concurrency=1, max_context=256)
+    assert auto.engine.runner.model.weight_format == "int4"
+    fp32, int4 = (engines[w].engine.runner.model.weight_bytes() for w in ("fp32", "int4"))
+    assert int4 < 0.2 * fp32, (int4, fp32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_int4_native_gives_the_dequantized_paths_greedy_tokens(engines, prompt):
+    """The issue's criterion: the default model loaded natively as int4 (Q4_1) gives the same tokens as the
+    dequantized fp32 path for 64 greedy tokens. (The CPU int4 kernel rounds activations to bf16.)"""
+    tok = engines["fp32"].tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    ref = engines["fp32"].engine.generate(ids, params)
+    got = engines["int4"].engine.generate(ids, params)
+    assert got == ref, (tok.decode(ref), tok.decode(got))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "ternary"])
+def test_quantize_at_load_matches_its_dequantized_twin(tmp_path, fmt):
+    """A tiny random HF model quantized at load computes what the same quantized weights, dequantized into a dense
+    fp32 model, compute: the low-bit matmul path is only allowed the bf16 rounding of activations the CPU kernels
+    use (measured about 0.3-0.6%; bound 2%). Quantization error itself is the kernels' tests' business."""
+    from dataclasses import replace
+
+    from engine.model.linear import convert
+    _, folder = tiny_hf_model("llama", tmp_path)
+    _, weights = load_weights(folder)
+    cpu = torch.device("cpu")
+    twin_tensors = {n: dequantize(q, torch.float32) if isinstance(q := convert(n, t, fmt, torch.float32, cpu),
+                                                                   QuantizedWeight) else t
+                    for n, t in weights.tensors.items()}
+    ids = torch.randint(0, 300, (40,)).tolist()
+
+    def logits(w, fmt_):
+        model = LlamaModel(w, torch.float32, cpu, fmt_)
+        runner = ModelRunner(model, 4, torch.float32)
+        return runner.run([Work(ids, 0, runner.pool.allocate(1), "all")])[0]
+    assert isinstance(LlamaModel(weights, torch.float32, cpu, fmt).layers[0].qkv.weight, QuantizedWeight)
+    got = logits(weights, fmt)
+    twin = logits(replace(weights, tensors=twin_tensors), "")
+    err = ((got - twin).norm() / twin.norm()).item()
+    assert err < 0.02, err
