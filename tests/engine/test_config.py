@@ -130,7 +130,7 @@ def test_model_positional_and_flag():
 def test_real_cpu_default_preset_loads():
     settings, warnings = load_settings(["--preset", "cpu-default"], {})
     assert warnings == []
-    expected = {"device": "cpu", "weight_dtype": "fp32", "kv_dtype": "fp32", "max_concurrency": 4,
+    expected = {"device": "cpu", "weight_dtype": "auto", "kv_dtype": "fp32", "max_concurrency": 4,
                 "prefill_chunk": 512, "mode": "chat"}
     for name, value in expected.items():
         assert getattr(settings, name) == value
