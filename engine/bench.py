@@ -59,12 +59,14 @@ def _summarise(runs: list[dict], prompt_tokens: int, gen_tokens: int, bytes_per_
 
 def bench_engine(loaded, prompt_ids: list[int], gen_tokens: int, repeat: int = 3) -> dict:
     """Our engine, batch 1, through Engine.submit on the engine thread (started here if needed).
-    TTFT = submit -> first output (includes the prefill); decode = first output -> last output."""
+    TTFT = submit -> first output (includes the prefill); decode = first output -> last output. Build the engine
+    with max_shared_prefixes=0, or runs after the first reuse the prompt's cached KV instead of prefilling it."""
     from engine.sampling import SamplingParams
 
-    engine, cfg = loaded.engine, loaded.config
+    engine = loaded.engine
     engine.start()
     params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+    hits_before = engine.stats().get("prefix_hit_tokens", 0)
     runs = []
     for i in range(repeat + 1):
         t0 = time.perf_counter()
@@ -80,11 +82,11 @@ def bench_engine(loaded, prompt_ids: list[int], gen_tokens: int, repeat: int = 3
             raise RuntimeError(f"the engine produced {len(tokens)} tokens, expected {gen_tokens}")
         if i:  # run 0 is the warm-up
             runs.append(dict(ttft_s=stamps[0] - t0, decode_s=stamps[-1] - stamps[0], tokens=tokens))
-    kv_dtype = engine.runner.kv.k[0].dtype
-    kv_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=kv_dtype).element_size()
+    kv_per_pos = engine.runner.kv.token_bytes  # 2 * layers * kv_heads * head_dim * element size, for floats
     weights = engine.runner.model.weight_bytes()
     return dict(_summarise(runs, len(prompt_ids), gen_tokens, decode_bytes_per_token(
-        weights, kv_per_pos, len(prompt_ids), gen_tokens)), weight_bytes=weights)
+        weights, kv_per_pos, len(prompt_ids), gen_tokens)), weight_bytes=weights,
+        prefix_hit_tokens=engine.stats().get("prefix_hit_tokens", 0) - hits_before)  # 0 unless KV was reused
 
 
 def load_transformers(path: Path, dtype: torch.dtype, device: torch.device):
@@ -134,7 +136,12 @@ def bench_transformers(model, prompt_ids: list[int], gen_tokens: int, repeat: in
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     elem = next(model.parameters()).element_size()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
+    # Read per token, as LlamaModel.weight_bytes counts: every parameter (tied ones once) except the input
+    # embedding table, of which one row is read, unless it is also the output layer.
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    if embed.data_ptr() != head.data_ptr():
+        weights -= embed.numel() * embed.element_size()
     kv_per_pos = 2 * cfg.num_hidden_layers * kv_heads * head_dim * elem
     return dict(_summarise(runs, len(prompt_ids), gen_tokens, decode_bytes_per_token(
         weights, kv_per_pos, len(prompt_ids), gen_tokens)), weight_bytes=weights)
@@ -156,6 +163,32 @@ def measure_bandwidth(device: torch.device, rows: int = 49152, cols: int = 576, 
     return w.numel() * w.element_size() / statistics.median(times[2:]) / 1e9
 
 
+class LoadMeter:
+    """CPU time other processes used while the benchmark ran, in cores (0.0 on an otherwise idle machine)."""
+
+    def __enter__(self):
+        import psutil
+
+        self._me = psutil.Process()
+        self._start = (self._busy(psutil.cpu_times()), self._own(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc):
+        import psutil
+
+        busy, own, t0 = self._start
+        other = (self._busy(psutil.cpu_times()) - busy) - (self._own() - own)
+        self.cores = max(other, 0.0) / (time.perf_counter() - t0)
+
+    @staticmethod
+    def _busy(t) -> float:
+        return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+    def _own(self) -> float:
+        t = self._me.cpu_times()
+        return t.user + t.system
+
+
 def machine_facts(loaded, threads: int) -> dict:
     import psutil
 
@@ -168,7 +201,8 @@ def machine_facts(loaded, threads: int) -> dict:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": threads,
-        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "dtype": str(loaded.dtype).removeprefix("torch.") + " (transformers and NInfer's activations)",
+        "ninfer weights": loaded.engine.runner.model.weight_format,
         "model": f"{loaded.path.name} ({loaded.config.name or loaded.config.arch})",
         "weight bytes": loaded.engine.runner.model.weight_bytes(),
         "measured memory bandwidth": f"{measure_bandwidth(device):.2f} GB/s (F.linear, 1x576 by 49152x576 fp32)",
@@ -209,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="measured runs after one warm-up; median (default 3)")
     p.add_argument("--threads", type=int, default=0, help="torch threads for both engines (default: torch's)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and KV dtype (both)")
+    p.add_argument("--weight-dtype", choices=("same", "auto", "int8", "int4"), default="same",
+                   help="NInfer's weights: same = --dtype (like for like); auto = as the GGUF stores them (Q4_1 -> "
+                        "int4); transformers always runs --dtype")
     p.add_argument("--compare", choices=("transformers", "none"), default="transformers")
     p.add_argument("--json", type=Path, default=None, help="write all results to this JSON file")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -220,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.repeat < 1:
         print("ninfer-bench: need --prompt-tokens >= 1, --gen-tokens >= 2 and --repeat >= 1", file=sys.stderr)
         return 2
+    threads_before = torch.get_num_threads()
+    try:
+        return _run(args, "ninfer-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+    finally:
+        torch.set_num_threads(threads_before)  # main() may be called in-process (tests): leave no trace
+
+
+def _run(args, command: str) -> int:
     from engine.build import build_engine
     from engine.errors import NInferError
 
@@ -227,32 +272,36 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     try:
-        loaded = build_engine(args.model, device=args.device, weight_dtype=args.dtype, kv_dtype=args.dtype,
-                              max_concurrency=1, threads=args.threads)
+        weights = args.dtype if args.weight_dtype == "same" else args.weight_dtype
+        loaded = build_engine(args.model, device=args.device, weight_dtype=weights, kv_dtype=args.dtype,
+                              max_concurrency=1, threads=args.threads,
+                              max_shared_prefixes=0)  # every run prefills the whole prompt
     except NInferError as err:
         print(f"ninfer-bench: {err}", file=sys.stderr)
         return 1
-    try:
-        if args.prompt_tokens + args.gen_tokens > loaded.context_window:
-            print(f"ninfer-bench: prompt + generated tokens exceed the context of {loaded.context_window}",
-                  file=sys.stderr)
-            return 2
-        prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
-        ours = bench_engine(loaded, prompt, args.gen_tokens, args.repeat)
-    finally:
-        loaded.engine.shutdown()
+    if args.prompt_tokens + args.gen_tokens > loaded.context_window:
+        print(f"ninfer-bench: prompt + generated tokens exceed the context of {loaded.context_window}",
+              file=sys.stderr)
+        return 2
+    prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
     theirs = ratio = None
-    if args.compare == "transformers":
-        model = load_transformers(loaded.path, loaded.dtype, loaded.device)
-        theirs = bench_transformers(model, prompt, args.gen_tokens, args.repeat)
-        ratio = ratios(ours, theirs)
-        del model
+    with LoadMeter() as meter:
+        try:
+            ours = bench_engine(loaded, prompt, args.gen_tokens, args.repeat)
+        finally:
+            loaded.engine.shutdown()
+        if args.compare == "transformers":
+            model = load_transformers(loaded.path, loaded.dtype, loaded.device)
+            theirs = bench_transformers(model, prompt, args.gen_tokens, args.repeat)
+            ratio = ratios(ours, theirs)
+            del model
     facts = machine_facts(loaded, threads)
-    command = "ninfer-bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(format_table(facts, ours, theirs, ratio, command.strip()))
+    facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
+    command = command.strip()
+    print(format_table(facts, ours, theirs, ratio, command))
     if args.json:
-        result = dict(command=command.strip(), machine=facts, prompt_tokens=args.prompt_tokens,
-                      gen_tokens=args.gen_tokens, repeat=args.repeat, ninfer=ours, transformers=theirs, ratio=ratio)
+        result = dict(command=command, machine=facts, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+                      repeat=args.repeat, ninfer=ours, transformers=theirs, ratio=ratio)
         args.json.write_text(json.dumps(result, indent=2))
     return 0
 
