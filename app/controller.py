@@ -1,0 +1,398 @@
+"""The app's conductor: owns the embedded engine (``engine.service.LocalService``), the HTTP client the chat uses
+(to the local API or to a remote server), the windows and the tray; decides what closing and quitting mean.
+
+It talks to the engine only through LocalService's public API (start, cancel, stop, restart_server, stats) and to the
+model only through HTTP, like any client. Everything that could block (stopping threads, HTTP calls) is awaited on
+the qasync loop or run with ``asyncio.to_thread``; the GUI thread only polls ``LocalService`` state from a timer.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable, Mapping
+
+from PySide6.QtCore import QObject, QTimer, Signal
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
+
+from engine.errors import NInferError
+from engine.service import CANCELLED, READY, LocalService
+
+from app import logs
+from app.appconfig import AppConfig
+from app.asyncutil import spawn
+from app.client import ApiClient, ApiError, Endpoint
+from app.launcher import LauncherWindow
+from app.store import ConversationStore
+from app.tray import Tray
+
+log = logging.getLogger("ninfer.app")
+
+
+class Controller(QObject):
+    state_changed = Signal()
+    mode_changed = Signal(object, object)  # mode ("chat"/"agent", or None: no mode switch), sampling dict
+    ready = Signal()  # the embedded engine is serving and the chat is connected to it
+
+    def __init__(self, *, config: AppConfig | None = None, store: ConversationStore | None = None,
+                 env: Mapping[str, str] | None = None, has_tray: bool | None = None,
+                 confirm_quit: Callable[[], bool] | None = None, quit_app: Callable[[], None] | None = None,
+                 log_handler: logs.QtLogHandler | None = None):
+        super().__init__()
+        self.config = config or AppConfig()
+        self.store = store or ConversationStore()
+        self.log_handler = log_handler or logs.install()
+        self.service: LocalService | None = None
+        self.settings: Any = None  # the Settings the engine was last started with (for Start server)
+        self.launch_cfg: dict | None = None
+        self.endpoint: Endpoint | None = None
+        self.client: ApiClient | None = None
+        self.remote = False
+        self.model_id: str | None = None
+        self.mode: str | None = None
+        self.sampling: dict | None = None
+        self.quitting = False
+        self.has_tray = QSystemTrayIcon.isSystemTrayAvailable() if has_tray is None else has_tray
+        self.confirm_quit = confirm_quit or self._ask_quit
+        self.quit_app = quit_app or QApplication.quit
+        self.window = None
+        self.tray = Tray(self, self.has_tray)
+        self.launcher = LauncherWindow(self, env)
+        self._poll_timer = QTimer(self, interval=100)
+        self._poll_timer.timeout.connect(self._poll)
+        self._status_timer = QTimer(self, interval=1000)
+        self._status_timer.timeout.connect(self.state_changed)
+        self._status_timer.start()
+        self.state_changed.connect(self._refresh_views)
+        self.mode_changed.connect(lambda *_: self.state_changed.emit())
+
+    # ---- what views show ---------------------------------------------------------------------------------------
+    def status_text(self) -> str:
+        s = self.service
+        if self.remote and self.endpoint is not None:
+            local = f" · engine here: {s.status}" if s is not None else ""
+            return f"Chatting with {self.endpoint.api_url} · model {self.model_id}{local}"
+        if s is None:
+            return "Engine stopped"
+        if s.status == "loading":
+            return f"Loading the model… {s.progress:.0%}"
+        if s.status == READY:
+            loaded = s.state.loaded
+            device = f" · {loaded.device}" if loaded is not None else ""
+            return f"● Serving {', '.join(s.model_ids)} at {s.url}{device}"
+        return f"Engine {s.status}" + (f": {s.load_error}" if s.load_error else "")
+
+    def model_label(self) -> str:
+        if self.model_id is None:
+            return "No model"
+        return self.model_id + (f"  @ {self.endpoint.base_url}" if self.remote and self.endpoint else "")
+
+    @property
+    def can_toggle_server(self) -> bool:
+        s = self.service
+        if s is not None:
+            return s.status == READY
+        return self.settings is not None
+
+    def _refresh_views(self) -> None:
+        if self.window is not None:
+            self.window.refresh()
+        self.tray.refresh()
+
+    def restyle(self) -> None:
+        """The palette changed (the system switched between light and dark): redraw what paints its own colours."""
+        if self.launcher.validation is not None:
+            self.launcher._show(self.launcher.validation)
+        if self.window is not None:
+            self.window.chat.render()
+            self.window.monitor.restyle()
+
+    def conversations_changed(self, select: int | None = None) -> None:
+        if self.window is not None:
+            self.window.conversations.refresh(select)
+
+    # ---- windows -------------------------------------------------------------------------------------------------
+    def show_window(self) -> None:
+        w = self.window if self.window is not None and (self.service is not None or self.remote) else self.launcher
+        w.show()
+        w.raise_()
+        w.activateWindow()
+
+    def show_main(self) -> None:
+        if self.window is None:
+            from app.main_window import MainWindow
+            self.window = MainWindow(self, self.log_handler)
+        self.window.show()
+        self.window.raise_()
+        self.launcher.hide()
+        self.state_changed.emit()
+
+    def window_closing(self) -> bool:
+        """The main window is being closed: True lets it close (hide). With a tray the engine and API keep running;
+        without one, closing means quitting, so ask first."""
+        if self.quitting:
+            return True
+        if self.has_tray:
+            url = self.service.url if self.service is not None and self.service.serving else None
+            self.tray.notify("NInfer is still running",
+                             (f"The API keeps answering at {url}. " if url else "") + "Quit from the tray icon.")
+            return True
+        if self.confirm_quit():
+            spawn(self.quit(), "quit")
+            return True
+        return False
+
+    def _ask_quit(self) -> bool:
+        parent = self.window if self.window is not None else self.launcher
+        serving = self.service is not None and self.service.serving
+        text = ("This desktop has no tray to keep NInfer in, so closing the window quits it"
+                + (" and stops the API server." if serving else ".") + " Quit NInfer?")
+        return QMessageBox.question(parent, "Quit NInfer?", text) == QMessageBox.StandardButton.Yes
+
+    def launcher_closing(self, event) -> None:
+        """The launcher is being closed: with nothing else open (no chat window, no engine) that means quit."""
+        if self.quitting or self.window is not None and self.window.isVisible():
+            event.accept()
+            return
+        if self.service is None and not self.remote:
+            event.accept()
+            spawn(self.quit(), "quit")
+        elif self.window_closing():
+            event.accept()
+        else:
+            event.ignore()
+
+    # ---- the embedded engine -----------------------------------------------------------------------------------------
+    def start_local(self, settings: Any, launch_cfg: dict | None) -> LocalService:
+        """Starts loading (raises NInferError at once for a missing model or a taken port)."""
+        if self.service is not None:
+            raise NInferError("The engine is already running.", "Stop it first.")
+        service = LocalService(settings)
+        service.start()
+        self.service, self.settings, self.launch_cfg = service, settings, launch_cfg
+        if launch_cfg is not None:
+            self.config.remember_start(launch_cfg)
+        self._poll_timer.start()
+        self.state_changed.emit()
+        return service
+
+    def cancel_loading(self) -> None:
+        if self.service is not None:
+            self.service.cancel()
+
+    def _poll(self) -> None:
+        s = self.service
+        if s is None:
+            self._poll_timer.stop()
+            return
+        if not s.finished.is_set():
+            self.launcher.loading_progress(s.progress, s.message)
+            return
+        self._poll_timer.stop()
+        if s.ready.is_set():
+            spawn(self._on_ready(s), "engine-ready")
+        else:
+            spawn(self._on_failed(s), "engine-failed")
+
+    async def _on_ready(self, s: LocalService) -> None:
+        if not self.remote:
+            await self._connect_local(s)
+        ok = False
+        try:
+            client = self.client if not self.remote else ApiClient(Endpoint(s.base_url, s.api_key, local=True))
+            status, _ = await client.health()
+            ok = status == 200
+            if client is not self.client:
+                await client.aclose()
+        except Exception as e:
+            log.warning("the API does not answer: %s", e)
+        if ok and self.launch_cfg is not None:
+            self.config.remember_good(self.launch_cfg)
+        self.launcher.loading_finished(True)
+        if self.quitting:
+            return
+        if self.window is None or self.launcher.isVisible():
+            self.show_main()
+        else:  # started again from the tray while the window stays hidden
+            self.tray.notify("NInfer is serving", f"The API answers at {s.url}.")
+        self.state_changed.emit()
+        self.ready.emit()
+
+    async def _on_failed(self, s: LocalService) -> None:
+        error, status = s.load_error, s.status
+        await asyncio.to_thread(s.stop)
+        if self.service is s:
+            self.service = None
+        if status == CANCELLED:
+            self.launcher.notice = "Loading cancelled"
+            self.launcher.loading_finished(True)
+        else:
+            self.config.remember_failure(error or "the model could not be loaded")
+            self.launcher.loading_finished(False, error or "")
+            self.launcher.show()
+        self.state_changed.emit()
+
+    async def _connect_local(self, s: LocalService) -> None:
+        old = self.client
+        self.endpoint = Endpoint(s.base_url, s.api_key, local=True)
+        self.client = ApiClient(self.endpoint)
+        self.remote = False
+        self.model_id = s.model_ids[0]
+        if old is not None:
+            await old.aclose()
+        await self.refresh_mode()
+
+    async def stop_local(self) -> None:
+        s = self.service
+        if s is None:
+            return
+        self.service = None
+        if not self.remote:
+            self.mode, self.sampling = None, None
+            self.mode_changed.emit(None, None)
+        self.state_changed.emit()
+        await asyncio.to_thread(s.stop)
+        self.state_changed.emit()
+
+    async def start_again(self) -> None:
+        if self.service is not None or self.settings is None:
+            return
+        try:
+            self.start_local(self.settings, self.launch_cfg)
+        except NInferError as e:
+            log.error("%s", e)
+            if self.window is not None:
+                self.window.statusBar().showMessage(str(e), 10000)
+
+    def toggle_server(self) -> None:
+        if self.service is not None and self.service.serving:
+            spawn(self.stop_local(), "stop-server")
+        else:
+            spawn(self.start_again(), "start-server")
+
+    async def restart_server(self, host: str, port: int, api_key: str | None) -> str | None:
+        """Serves the loaded engine on another host/port/key; returns what went wrong, or None."""
+        s = self.service
+        if s is None:
+            return "The engine is not running."
+        try:
+            await asyncio.to_thread(s.restart_server, host=host, port=port, api_key=api_key)
+        except NInferError as e:
+            return str(e)
+        if self.settings is not None:
+            import dataclasses
+            self.settings = dataclasses.replace(self.settings, host=host, port=port, api_key=api_key)
+        if not self.remote:
+            await self._connect_local(s)
+        self.state_changed.emit()
+        return None
+
+    async def back_to_launcher(self) -> None:
+        """Change model or settings: stop the engine, hide the main window, show the launcher."""
+        await self.stop_local()
+        if self.window is not None:
+            self.window.hide()
+        self.launcher.show()
+        self.launcher.raise_()
+        self.launcher.schedule()
+
+    # ---- another server -------------------------------------------------------------------------------------------
+    async def connect_remote(self, url: str, api_key: str | None) -> str | None:
+        """Chat with another OpenAI-compatible server; returns what went wrong, or None."""
+        try:
+            endpoint = Endpoint.parse(url, api_key)
+        except ValueError as e:
+            return str(e)
+        client = ApiClient(endpoint)
+        try:
+            models = await client.models()
+        except (ApiError, Exception) as e:  # httpx errors, bad JSON
+            await client.aclose()
+            return str(e) or type(e).__name__
+        if not models:
+            await client.aclose()
+            return "The server lists no models."
+        old = self.client
+        self.endpoint, self.client, self.remote = endpoint, client, True
+        self.model_id = models[0].get("id")
+        self.config.set("remote", {"url": endpoint.api_url})
+        if old is not None:
+            await old.aclose()
+        await self.refresh_mode()
+        self.show_main()
+        return None
+
+    def use_local(self) -> None:
+        if self.service is not None and self.service.status == READY:
+            spawn(self._connect_local(self.service), "use-local")
+            self.state_changed.emit()
+        else:
+            self.remote = False
+            self.launcher.show()
+
+    # ---- mode -----------------------------------------------------------------------------------------------------
+    async def refresh_mode(self) -> None:
+        data = None
+        if self.client is not None:
+            try:
+                data = await self.client.settings()
+            except Exception as e:
+                log.warning("cannot read the server's settings: %s", e)
+        self._set_mode_from(data)
+
+    async def set_mode(self, mode: str) -> None:
+        """Switches the server's default sampling (PUT /ninfer/v1/settings) and shows what is now in force."""
+        if self.client is None:
+            return
+        try:
+            data = await self.client.put_settings({"mode": mode})
+        except ApiError as e:
+            log.error("switching to %s mode failed: %s", mode, e)
+            if e.status not in (404, 405):
+                await self.refresh_mode()  # show what the server really uses
+                return
+            data = None  # this server has no mode switch
+        except Exception as e:  # the server went away
+            log.error("switching to %s mode failed: %s", mode, e)
+            await self.refresh_mode()
+            return
+        self._set_mode_from(data)
+        log.info("mode is now %s", self.mode)
+
+    def _set_mode_from(self, data: dict | None) -> None:
+        self.mode = data.get("mode") if data else None
+        self.sampling = data.get("sampling") if data else None
+        self.mode_changed.emit(self.mode, self.sampling)
+
+    # ---- small things -------------------------------------------------------------------------------------------
+    def copy_url(self) -> None:
+        if self.service is not None and not self.remote:
+            url = self.service.url
+        elif self.endpoint is not None:
+            url = self.endpoint.api_url
+        else:
+            return
+        QGuiApplication.clipboard().setText(url)
+
+    async def quit(self) -> None:
+        """Stops the API server and the engine cleanly, then leaves."""
+        if self.quitting:
+            return
+        self.quitting = True
+        self._poll_timer.stop()
+        self._status_timer.stop()
+        self.tray.hide()
+        if self.window is not None:
+            self.window.chat.stop()
+            self.window.monitor.timer.stop()
+            self.window.close()
+        self.launcher.close()
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
+        if self.service is not None:
+            s, self.service = self.service, None
+            await asyncio.to_thread(s.stop)
+        self.config.close_session()
+        self.store.close()
+        self.quit_app()

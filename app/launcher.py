@@ -1,0 +1,521 @@
+"""The first window: pick a model and a preset, adjust the settings, see every problem with its remedy, Start.
+
+Checks run live (debounced) as anything changes. The slow parts run off the GUI thread: the hardware probe (imports
+torch, asks NVML) once, and reading a model's header once per file. Start stays disabled while any check is an
+error. Loading shows a progress bar and can be cancelled.
+"""
+from __future__ import annotations
+
+import asyncio
+import html
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from PySide6.QtCore import QRectF, QSize, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QPainter, QPainterPath
+from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout,
+                               QInputDialog, QLabel, QLineEdit, QMessageBox, QProgressBar, QPushButton, QScrollArea,
+                               QSizePolicy, QSplitter, QVBoxLayout, QWidget)
+
+from app import theme
+from app.asyncutil import spawn
+from app.estimate import MIB, MemoryEstimate, ModelInfo
+from app.settings_form import SettingsForm
+from app.settings_model import Preset, baseline, changed_values, find_preset, presets, save_user_preset
+from app.validation import Check, Validation, model_check, validate
+
+EMBEDDED_LABEL = "Embedded: SmolLM2-135M-Instruct (Q4_1, runs anywhere)"
+ICONS = {"ok": "✔", "info": "ℹ", "warning": "⚠", "error": "✖"}
+AREA_TITLES = {"hardware": "Hardware", "model": "Model", "memory": "Memory", "settings": "Settings",
+               "environment": "Environment", "port": "Port", "load": "Loading"}
+
+
+class MemoryBar(QWidget):
+    """Weights | KV cache | headroom, over what is already used, against the device's total memory."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.estimate: MemoryEstimate | None = None
+        self.setMinimumHeight(22)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+
+    def sizeHint(self) -> QSize:
+        return QSize(300, 22)
+
+    def set_estimate(self, estimate: MemoryEstimate | None) -> None:
+        self.estimate = estimate
+        self.setToolTip(estimate.summary() if estimate else "")
+        self.update()
+
+    def segments(self) -> list[tuple[str, int, str]]:
+        e = self.estimate
+        if e is None:
+            return []
+        c = theme.colors()
+        return [("in use by others", e.used_by_others, c["disabled"]), ("weights", e.weights, c["series1"]),
+                ("KV cache", e.kv, c["series2"]), ("headroom", e.headroom, c["series3"])]
+
+    def paintEvent(self, _event) -> None:
+        p = QPainter(self)
+        p.setRenderHint(QPainter.RenderHint.Antialiasing)
+        c = theme.colors()
+        rect = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
+        clip = QPainterPath()
+        clip.addRoundedRect(rect, 6, 6)
+        p.setClipPath(clip)
+        p.fillRect(rect, QColor(c["input"]))
+        e = self.estimate
+        if e is not None and e.total > 0:
+            x = rect.left()
+            for _, size, color in self.segments():
+                w = rect.width() * min(size, max(e.total - (x - rect.left()) / rect.width() * e.total, 0)) / e.total
+                p.fillRect(QRectF(x, rect.top(), w, rect.height()), QColor(color))
+                x += w
+            if not e.fits:
+                p.fillRect(QRectF(rect.right() - 6, rect.top(), 6, rect.height()), QColor(c["error"]))
+        p.setClipping(False)
+        p.setPen(QColor(c["border"]))
+        p.drawRoundedRect(rect, 6, 6)
+        p.end()
+
+
+class RemoteDialog(QDialog):
+    """URL and API key of another OpenAI-compatible server."""
+
+    def __init__(self, parent=None, url: str = "", key: str = ""):
+        super().__init__(parent)
+        self.setWindowTitle("Connect to a server")
+        form = QFormLayout(self)
+        note = QLabel("Chat with another OpenAI-compatible server (another NInfer, vLLM, llama.cpp, ...). "
+                      "Nothing is loaded on this computer.")
+        note.setWordWrap(True)
+        form.addRow(note)
+        self.url = QLineEdit(url or "http://127.0.0.1:8080/v1")
+        self.key = QLineEdit(key)
+        self.key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.key.setPlaceholderText("none")
+        form.addRow("Server URL", self.url)
+        form.addRow("API key", self.key)
+        self.error = QLabel()
+        self.error.setWordWrap(True)
+        form.addRow(self.error)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
+        buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Connect")
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        form.addRow(buttons)
+
+
+class LauncherWindow(QWidget):
+    """``controller`` is the app's Controller (start_local, cancel_loading, connect_remote, config)."""
+
+    validated = Signal()
+
+    def __init__(self, controller, env: Mapping[str, str] | None = None):
+        super().__init__()
+        self.controller = controller
+        self.config = controller.config
+        self.env = os.environ if env is None else env
+        self.report: Any = None  # engine.hardware.HardwareReport, once probed
+        self.model_infos: dict[str | None, tuple[ModelInfo | None, Check | None]] = {}
+        self.validation: Validation | None = None
+        self.loading = False
+        self.load_error: str | None = None
+        self.auto_start = False  # ninfer --start: start as soon as the checks pass
+        self.notice = ""  # shown after the status until the next start (e.g. "loading cancelled")
+        self.setObjectName("Launcher")
+        self.setWindowTitle("NInfer — start a model")
+        self.setWindowIcon(theme.app_icon())
+        self.resize(1100, 760)
+        self._timer = QTimer(self, singleShot=True, interval=150)
+        self._timer.timeout.connect(self.revalidate)
+        self._build()
+        self._restore()
+        spawn(self._probe(), "hardware-probe")
+
+    # ---- layout --------------------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(18, 14, 18, 14)
+        outer.setSpacing(10)
+
+        head = QHBoxLayout()
+        icon = QLabel()
+        icon.setPixmap(theme.app_icon().pixmap(44, 44))
+        head.addWidget(icon)
+        titles = QVBoxLayout()
+        title = QLabel("NInfer")
+        title.setObjectName("Title")
+        subtitle = QLabel("Run a model on this computer behind an OpenAI-compatible API.")
+        subtitle.setObjectName("Subtitle")
+        titles.addWidget(title)
+        titles.addWidget(subtitle)
+        head.addLayout(titles, 1)
+        self.remote_button = QPushButton("Connect to a server…")
+        self.remote_button.setToolTip("Chat with another OpenAI-compatible server instead of loading a model here.")
+        self.remote_button.clicked.connect(self.connect_remote)
+        head.addWidget(self.remote_button, 0, Qt.AlignmentFlag.AlignTop)
+        outer.addLayout(head)
+
+        self.banner = QLabel()
+        self.banner.setObjectName("Banner")
+        self.banner.setWordWrap(True)
+        self.banner_button = QPushButton("Use the last configuration that worked")
+        self.banner_button.clicked.connect(self.use_last_good)
+        banner_row = QHBoxLayout()
+        banner_row.addWidget(self.banner, 1)
+        banner_row.addWidget(self.banner_button)
+        self.banner_box = QWidget()
+        self.banner_box.setLayout(banner_row)
+        banner_row.setContentsMargins(0, 0, 0, 0)
+        outer.addWidget(self.banner_box)
+
+        picks = QFormLayout()
+        picks.setLabelAlignment(Qt.AlignmentFlag.AlignRight)
+        model_row = QHBoxLayout()
+        self.model_combo = QComboBox()
+        self.model_combo.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.model_combo.setToolTip("The model to serve: the embedded default, a GGUF file or a Hugging Face folder "
+                                    "(config.json + *.safetensors). Paths in any language work.")
+        self.model_combo.currentIndexChanged.connect(self._model_changed)
+        model_row.addWidget(self.model_combo, 1)
+        gguf = QPushButton("GGUF file…")
+        gguf.clicked.connect(self.browse_file)
+        folder = QPushButton("HF folder…")
+        folder.clicked.connect(self.browse_folder)
+        model_row.addWidget(gguf)
+        model_row.addWidget(folder)
+        picks.addRow("Model", model_row)
+        preset_row = QHBoxLayout()
+        self.preset_combo = QComboBox()
+        self.preset_combo.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.preset_combo.setToolTip("A preset fills the settings below; your changes go on top of it.")
+        self.preset_combo.activated.connect(self._preset_picked)
+        preset_row.addWidget(self.preset_combo, 1)
+        save = QPushButton("Save as preset…")
+        save.clicked.connect(self.save_preset)
+        preset_row.addWidget(save)
+        picks.addRow("Preset", preset_row)
+        outer.addLayout(picks)
+
+        split = QSplitter(Qt.Orientation.Horizontal)
+        self.form = SettingsForm()
+        self.form.changed.connect(self.schedule)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setWidget(self.form)
+        scroll.setMinimumWidth(430)
+        split.addWidget(scroll)
+
+        checks_card = QFrame()
+        checks_card.setObjectName("Card")
+        cl = QVBoxLayout(checks_card)
+        cl.setContentsMargins(14, 12, 14, 12)
+        section = QLabel("Checks")
+        section.setObjectName("Section")
+        cl.addWidget(section)
+        mem_title = QLabel("Memory estimate")
+        mem_title.setObjectName("Muted")
+        cl.addWidget(mem_title)
+        self.memory_bar = MemoryBar()
+        cl.addWidget(self.memory_bar)
+        self.memory_legend = QLabel()
+        self.memory_legend.setWordWrap(True)
+        self.memory_legend.setTextFormat(Qt.TextFormat.RichText)
+        cl.addWidget(self.memory_legend)
+        self.checks_label = QLabel()
+        self.checks_label.setWordWrap(True)
+        self.checks_label.setTextFormat(Qt.TextFormat.RichText)
+        self.checks_label.setAlignment(Qt.AlignmentFlag.AlignTop)
+        self.checks_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        checks_scroll = QScrollArea()
+        checks_scroll.setWidgetResizable(True)
+        checks_scroll.setWidget(self.checks_label)
+        cl.addWidget(checks_scroll, 1)
+        split.addWidget(checks_card)
+        split.setStretchFactor(0, 5)
+        split.setStretchFactor(1, 4)
+        outer.addWidget(split, 1)
+
+        bottom = QHBoxLayout()
+        self.progress = QProgressBar()
+        self.progress.setRange(0, 1000)
+        self.progress.setTextVisible(False)
+        self.progress.setVisible(False)
+        self.status = QLabel()
+        self.status.setObjectName("Muted")
+        self.cancel_button = QPushButton("Cancel")
+        self.cancel_button.setVisible(False)
+        self.cancel_button.clicked.connect(self.cancel)
+        self.start_button = QPushButton("Start")
+        self.start_button.setObjectName("Primary")
+        self.start_button.setEnabled(False)
+        self.start_button.setDefault(True)
+        self.start_button.clicked.connect(self.start)
+        bottom.addWidget(self.status, 1)
+        bottom.addWidget(self.progress, 2)
+        bottom.addWidget(self.cancel_button)
+        bottom.addWidget(self.start_button)
+        outer.addLayout(bottom)
+
+    # ---- state -------------------------------------------------------------------------------------------------------
+    def _fill_models(self, select: str | None) -> None:
+        self.model_combo.blockSignals(True)
+        self.model_combo.clear()
+        self.model_combo.addItem(EMBEDDED_LABEL, None)
+        for path in self.config.recent_models:
+            self.add_model_item(path)
+        self.model_combo.blockSignals(False)
+        self.select_model(select)
+
+    def add_model_item(self, path: str) -> int:
+        i = self.model_combo.findData(path)
+        if i < 0:
+            p = Path(path)
+            self.model_combo.addItem(f"{p.name}  —  {p.parent}", path)
+            i = self.model_combo.count() - 1
+            self.model_combo.setItemData(i, path, Qt.ItemDataRole.ToolTipRole)
+        return i
+
+    def select_model(self, path: str | None) -> None:
+        i = 0 if not path else self.add_model_item(path)
+        if self.model_combo.currentIndex() == i:
+            self._model_changed()
+        else:
+            self.model_combo.setCurrentIndex(i)
+
+    def _fill_presets(self, select: str | None) -> None:
+        self.preset_combo.clear()
+        self.preset_combo.addItem("(none: defaults)", None)
+        for p in presets():
+            self.preset_combo.addItem(p.label, p.ref)
+            self.preset_combo.setItemData(self.preset_combo.count() - 1, str(p.path), Qt.ItemDataRole.ToolTipRole)
+        i = self.preset_combo.findData(select) if select else 0
+        self.preset_combo.setCurrentIndex(max(i, 0))
+
+    def _restore(self) -> None:
+        last = self.config.last or {}
+        self.apply_config(last)
+        self._update_banner()
+
+    def apply_config(self, cfg: Mapping[str, Any]) -> None:
+        """Shows a launch configuration: model, preset and the values changed over the preset."""
+        preset_ref = cfg.get("preset")
+        self._fill_presets(preset_ref)
+        values = baseline(self.preset)
+        values.update(cfg.get("values") or {})
+        self.form.set_values(values)
+        self._fill_models(cfg.get("model"))
+        self.schedule()
+
+    @property
+    def model(self) -> str | None:
+        return self.model_combo.currentData()
+
+    @property
+    def preset(self) -> Preset | None:
+        return find_preset(self.preset_combo.currentData())
+
+    def launch_config(self) -> dict[str, Any]:
+        from app.appconfig import launch_config
+        return launch_config(self.model, self.preset.ref if self.preset else None,
+                             changed_values(self.form.values(), self.preset))
+
+    def _update_banner(self) -> None:
+        good = self.config.last_good
+        text = ""
+        if self.load_error:
+            text = f"<b>The model could not be loaded.</b> {html.escape(self.load_error)}"
+        elif self.config.crashed:
+            text = "<b>NInfer did not shut down properly last time</b> (it was killed, or it crashed)."
+        elif self.config.last_failure:
+            text = f"<b>The last start failed:</b> {html.escape(self.config.last_failure)}"
+        self.banner.setText(text)
+        self.banner_button.setVisible(bool(good) and good != self.launch_config())
+        self.banner_box.setVisible(bool(text))
+
+    def use_last_good(self) -> None:
+        if self.config.last_good:
+            self.load_error = None
+            self.config.acknowledge_crash()
+            self.apply_config(self.config.last_good)
+            self._update_banner()
+
+    # ---- reacting --------------------------------------------------------------------------------------------------
+    def _model_changed(self, *_args) -> None:
+        model = self.model
+        if model not in self.model_infos:
+            spawn(self._read_model(model), "read-model")
+        self.schedule()
+
+    def _preset_picked(self, *_args) -> None:
+        self.form.set_values(baseline(self.preset))
+        self.schedule()
+
+    def schedule(self) -> None:
+        self._timer.start()
+
+    async def _probe(self) -> None:
+        from engine.hardware import probe
+        self.report = await asyncio.to_thread(probe)
+        self.schedule()
+
+    async def _read_model(self, model: str | None) -> None:
+        self.model_infos[model] = await asyncio.to_thread(model_check, model)
+        self.schedule()
+
+    def revalidate(self) -> Validation:
+        model = self.model
+        info, problem = self.model_infos.get(model, (None, None))
+        v = self.validation = validate(self.form.values(), model, self.preset, self.report, self.env, info=info,
+                                       read_model=False, model_error=problem, check_port=not self.loading)
+        self._show(v)
+        ready = v.ok and self.report is not None and info is not None
+        self.start_button.setEnabled(ready and not self.loading)
+        if not self.loading:
+            n_err, n_warn = len(v.errors), sum(1 for c in v.checks if c.level == "warning")
+            if self.report is None or (info is None and problem is None):
+                self.status.setText("Checking…")
+            elif n_err:
+                self.status.setText(f"{n_err} problem{'s' if n_err > 1 else ''} to fix before starting")
+            else:
+                self.status.setText("Ready to start" + (f" ({n_warn} warning{'s' if n_warn > 1 else ''})"
+                                                        if n_warn else ""))
+            if self.notice:
+                self.status.setText(f"{self.notice} · {self.status.text()}")
+        self._update_banner()
+        self.validated.emit()
+        checked = self.report is not None and (info is not None or problem is not None)
+        if self.auto_start and checked and not self.loading:
+            self.auto_start = False  # once: with a problem, the user fixes it and presses Start
+            if ready:
+                self.start()
+        return v
+
+    def _show(self, v: Validation) -> None:
+        c = theme.colors()
+        colours = {"ok": c["ok"], "info": c["info"], "warning": c["warning"], "error": c["error"]}
+        order = {"error": 0, "warning": 1, "info": 2, "ok": 3}
+        checks = sorted(v.checks, key=lambda k: order[k.level])
+        if self.load_error:
+            checks.insert(0, Check("error", "load", self.load_error))
+        parts = []
+        for k in checks:
+            remedy = (f'<div style="color:{c["muted"]};margin-left:22px">→ {html.escape(k.remedy)}</div>'
+                      if k.remedy and k.level != "ok" else "")
+            parts.append(f'<div style="margin-bottom:8px"><span style="color:{colours[k.level]};font-weight:600">'
+                         f'{ICONS[k.level]}</span>&nbsp; <b>{AREA_TITLES.get(k.area, k.area)}:</b> '
+                         f'{html.escape(k.message)}{remedy}</div>')
+        self.checks_label.setText("".join(parts))
+        mem = v.memory
+        self.memory_bar.set_estimate(mem)
+        if mem is None:
+            self.memory_legend.setText(f'<span style="color:{c["muted"]}">Shown once the model and the settings '
+                                       f'are valid.</span>')
+        else:
+            where = "VRAM" if mem.device == "cuda" else "RAM"
+            items = [(name, size, color) for name, size, color in self.memory_bar.segments()]
+            legend = " &nbsp; ".join(f'<span style="color:{color}">■</span>&nbsp;{name.replace(" ", "&nbsp;")}'
+                                     f'&nbsp;{size / MIB:,.0f}&nbsp;MiB'
+                                     for name, size, color in items if size or name != "headroom")
+            self.memory_legend.setText(f"{legend} &nbsp; of&nbsp;{mem.total / MIB:,.0f}&nbsp;MiB&nbsp;{where}<br>"
+                                       f'<span style="color:{c["muted"]}">KV: {mem.kv_tokens:,} tokens × '
+                                       f'{mem.kv_bytes_per_token / 1024:.1f} KiB ({mem.kv_dtype}); context '
+                                       f'{mem.context:,}; weights {mem.weight_dtype}</span>')
+
+    def closeEvent(self, event) -> None:
+        handler = getattr(self.controller, "launcher_closing", None)
+        if handler is None:
+            event.accept()
+        else:
+            handler(event)
+
+    # ---- actions -----------------------------------------------------------------------------------------------------
+    def browse_file(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF model file", self._browse_dir(),
+                                              "GGUF models (*.gguf);;All files (*)")
+        if path:
+            self.pick_model(path)
+
+    def browse_folder(self) -> None:
+        path = QFileDialog.getExistingDirectory(self, "Choose a Hugging Face model folder", self._browse_dir())
+        if path:
+            self.pick_model(path)
+
+    def _browse_dir(self) -> str:
+        model = self.model
+        return str(Path(model).parent) if model else str(Path.home())
+
+    def pick_model(self, path: str) -> None:
+        self.config.add_recent_model(path)
+        self.select_model(path)
+
+    def save_preset(self) -> None:
+        name, ok = QInputDialog.getText(self, "Save as preset", "Name of the new preset:")
+        if not ok or not name.strip():
+            return
+        try:
+            preset = save_user_preset(name, self.form.values())
+        except (ValueError, OSError) as e:
+            QMessageBox.warning(self, "Save as preset", str(e))
+            return
+        self._fill_presets(preset.ref)
+        self.schedule()
+
+    def start(self) -> None:
+        v = self.revalidate()
+        if not v.ok or v.settings is None or self.loading:
+            return
+        self.load_error = None
+        self.notice = ""
+        config = self.launch_config()
+        try:
+            self.controller.start_local(v.settings, config)
+        except Exception as e:  # port taken between the check and now, model vanished, ...
+            self.loading_finished(False, str(e))
+            return
+        self.set_loading(True)
+
+    def set_loading(self, loading: bool) -> None:
+        self.loading = loading
+        self.progress.setVisible(loading)
+        self.cancel_button.setVisible(loading)
+        self.cancel_button.setEnabled(True)
+        self.form.setEnabled(not loading)
+        self.model_combo.setEnabled(not loading)
+        self.preset_combo.setEnabled(not loading)
+        self.remote_button.setEnabled(not loading)
+        self.start_button.setEnabled(False)
+        if loading:
+            self.progress.setValue(0)
+            self.status.setText("Starting…")
+        else:
+            self.schedule()
+
+    def loading_progress(self, fraction: float, message: str) -> None:
+        self.progress.setValue(int(fraction * 1000))
+        self.status.setText(f"Loading the model… {fraction:.0%}" + (f"  ({message})" if message else ""))
+
+    def loading_finished(self, ok: bool, error: str = "") -> None:
+        self.set_loading(False)
+        if not ok:
+            self.load_error = error or "the model could not be loaded"
+            self.status.setText("Not started")
+        self.revalidate()
+
+    def cancel(self) -> None:
+        self.cancel_button.setEnabled(False)
+        self.status.setText("Cancelling…")
+        self.controller.cancel_loading()
+
+    def connect_remote(self) -> None:
+        last = self.config.get("remote", {}) or {}
+        dialog = RemoteDialog(self, last.get("url", ""), "")
+        if dialog.exec() == QDialog.DialogCode.Accepted:
+            spawn(self._connect(dialog.url.text().strip(), dialog.key.text().strip() or None), "connect-remote")
+
+    async def _connect(self, url: str, key: str | None) -> None:
+        self.status.setText(f"Connecting to {url}…")
+        error = await self.controller.connect_remote(url, key)
+        self.status.setText(f"Could not connect: {error}" if error else "")

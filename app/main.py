@@ -1,0 +1,138 @@
+"""``ninfer``: the desktop app.
+
+    ninfer                                   opens the launcher with the last configuration
+    ninfer --model PATH --preset NAME --start   starts serving without a click (the launcher shows the progress)
+    ninfer --port 9000 --max-context 4096    any ninfer-serve setting flag fills the launcher's form
+    ninfer --remote http://host:8080/v1      chats with another OpenAI-compatible server
+
+With no display (Linux without DISPLAY or WAYLAND_DISPLAY, and QT_QPA_PLATFORM not offscreen) it says so and runs
+``ninfer-serve`` with the same model, preset and settings instead, so one command works on a desktop and over SSH.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Mapping
+
+from engine.config import ConfigError, build_parser
+
+HEADLESS_PLATFORMS = ("offscreen", "minimal", "vnc", "eglfs", "linuxfb")
+
+
+def has_display(env: Mapping[str, str] | None = None, platform: str | None = None) -> bool:
+    env = os.environ if env is None else env
+    platform = sys.platform if platform is None else platform
+    qpa = env.get("QT_QPA_PLATFORM", "").split(":")[0].strip().lower()
+    if qpa in HEADLESS_PLATFORMS:
+        return True
+    if platform.startswith(("linux", "freebsd", "openbsd", "netbsd")):
+        return bool(env.get("DISPLAY") or env.get("WAYLAND_DISPLAY"))
+    return True  # Windows and macOS always have a display session for a desktop app
+
+
+def app_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="ninfer", usage="ninfer [model] [--model PATH] [--preset NAME] [--port N] [--start] [ninfer-serve flags]",
+        description="NInfer desktop app. The model, --model, --preset, --port and every other ninfer-serve setting "
+                    "flag (e.g. --max-context 4096) fill the launcher's form; see ninfer-serve --help. Without a "
+                    "display, ninfer runs ninfer-serve with the same arguments.")
+    p.add_argument("--start", action="store_true", help="start serving at once, without a click")
+    p.add_argument("--remote", metavar="URL", help="chat with another OpenAI-compatible server at URL")
+    p.add_argument("--remote-key", metavar="KEY", help="API key for --remote")
+    return p
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, Any], list[str]]:
+    """(app options with .model and .preset, setting values from the ninfer-serve flags, the argv ninfer-serve would
+    get). Raises ConfigError for an unknown option, like ninfer-serve."""
+    args, rest = app_parser().parse_known_args(argv)
+    ns, unknown = build_parser("ninfer").parse_known_args(rest)
+    if unknown:
+        raise ConfigError([f"[command line] unknown option or argument {' '.join(unknown)}; run ninfer --help"])
+    model = getattr(ns, "model", None)
+    if model and ns.model_path and model != ns.model_path:
+        raise ConfigError([f"[command line] the model is given twice ({model} and {ns.model_path}); give it once"])
+    args.model = model or ns.model_path
+    args.preset = ns.preset
+    values = {k: v for k, v in vars(ns).items() if k not in ("model", "model_path", "preset", "config", "print_config")}
+    if "port" in values:
+        values["port"] = int(values["port"]) if str(values["port"]).isdigit() else values["port"]
+    return args, values, list(rest)
+
+
+def run_headless(serve_argv: list[str]) -> int:
+    print("ninfer: no display found (DISPLAY and WAYLAND_DISPLAY are not set), so the desktop app cannot open; "
+          "running ninfer-serve instead" + (f" with: {' '.join(serve_argv)}" if serve_argv else "") + ".",
+          file=sys.stderr)
+    from engine.serve import main as serve_main
+    return serve_main(serve_argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args, values, serve_argv = parse(argv)
+    except ConfigError as e:
+        print(f"ninfer: {e}", file=sys.stderr)
+        return 2
+    if getattr(args, "print_config", False) or "--print-config" in serve_argv:
+        from engine.serve import main as serve_main
+        return serve_main(serve_argv)  # prints the effective settings, needs no window
+    if not has_display():
+        if args.remote:
+            print("ninfer: --remote needs a display (it opens the chat window).", file=sys.stderr)
+            return 2
+        return run_headless(serve_argv)
+    return run_app(args, values)
+
+
+def run_app(args: argparse.Namespace, values: dict[str, Any]) -> int:
+    import asyncio
+    import signal
+
+    import qasync
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from app import theme
+    from app.asyncutil import spawn
+    from app.controller import Controller
+
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("NInfer")
+    app.setOrganizationName("NInfer")
+    app.setDesktopFileName("ninfer")
+    app.setQuitOnLastWindowClosed(False)
+    app.setWindowIcon(theme.app_icon())
+    theme.apply(app)
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+
+    controller = Controller()
+    theme.follow_system(app, on_change=controller.restyle)
+    launcher = controller.launcher
+    if args.model or args.preset or values:
+        launcher.apply_config({"model": args.model, "preset": args.preset, "values": values})
+    launcher.auto_start = args.start and not args.remote
+    launcher.show()
+    if args.remote:
+        key = args.remote_key
+
+        async def connect():
+            error = await controller.connect_remote(args.remote, key)
+            if error:
+                launcher.status.setText(f"Could not connect to {args.remote}: {error}")
+        spawn(connect(), "connect-remote")
+
+    signal.signal(signal.SIGINT, lambda *_: spawn(controller.quit(), "quit"))
+    keepalive = QTimer(interval=300)  # lets Python run its signal handlers while Qt waits
+    keepalive.timeout.connect(lambda: None)
+    keepalive.start()
+    with loop:
+        loop.run_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""The monitor: decode speed, KV pages and VRAM over the last two minutes, updated about once a second.
+
+For the embedded engine it reads ``LocalService.stats()`` (the metrics snapshot: a dict, no HTTP); for a remote server
+it reads that server's ``/metrics`` (NInfer, vLLM or llama.cpp names) and says so when it offers nothing usable. VRAM
+comes from NVML; without an NVIDIA driver the panel says "no NVIDIA GPU".
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+
+from app import theme
+from app.asyncutil import spawn
+
+HISTORY = 120  # samples (seconds)
+INTERVAL_MS = 1000
+RATE_WINDOW = 5  # samples the local decode rate is averaged over (a single second is too jumpy on a slow machine)
+
+
+class VramReader:
+    """Used and total VRAM of GPU 0 through NVML; ``note`` says why there is none."""
+
+    def __init__(self):
+        self.handle = None
+        self.name = ""
+        self.note = ""
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            if pynvml.nvmlDeviceGetCount() < 1:
+                self.note = "no NVIDIA GPU"
+                return
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            name = pynvml.nvmlDeviceGetName(self.handle)
+            self.name = name.decode() if isinstance(name, bytes) else str(name)
+            self._nvml = pynvml
+        except Exception as e:  # ImportError, NVMLError (no driver, no GPU)
+            self.note = f"no NVIDIA GPU ({str(e) or type(e).__name__})"
+
+    def read(self) -> tuple[float, float] | None:
+        if self.handle is None:
+            return None
+        try:
+            mem = self._nvml.nvmlDeviceGetMemoryInfo(self.handle)
+            return mem.used / 2**20, mem.total / 2**20
+        except Exception as e:
+            self.note = f"NVML error: {e}"
+            return None
+
+
+class _Stat(QFrame):
+    def __init__(self, title: str):
+        super().__init__()
+        self.setObjectName("Card")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 8)
+        t = QLabel(title)
+        t.setObjectName("Muted")
+        self.value = QLabel("—")
+        self.value.setStyleSheet("font-size: 16pt; font-weight: 700;")
+        self.detail = QLabel("")
+        self.detail.setObjectName("Muted")
+        self.detail.setWordWrap(True)
+        layout.addWidget(t)
+        layout.addWidget(self.value)
+        layout.addWidget(self.detail)
+
+    def set(self, value: str, detail: str = "") -> None:
+        self.value.setText(value)
+        self.detail.setText(detail)
+
+
+class MonitorPanel(QWidget):
+    updated = Signal(dict)
+
+    def __init__(self, controller, parent=None):
+        super().__init__(parent)
+        self.controller = controller
+        self.vram = VramReader()
+        self.updates = 0
+        self.last: dict = {}
+        self._inflight = False
+        self.t0 = time.monotonic()
+        self.series = {k: deque(maxlen=HISTORY) for k in ("decode_tps", "pages_used", "pages_free", "vram_used")}
+        self.times: deque = deque(maxlen=HISTORY)
+        self.counters: deque = deque(maxlen=RATE_WINDOW + 1)  # (decode tokens, decode engine-seconds)
+        self._build()
+        self.timer = QTimer(self, interval=INTERVAL_MS)
+        self.timer.timeout.connect(self.tick)
+        self.timer.start()
+
+    def _build(self) -> None:
+        c = theme.colors()
+        pg.setConfigOptions(antialias=True, foreground=c["plot_fg"], background=c["plot_bg"])
+        layout = QVBoxLayout(self)
+        head = QHBoxLayout()
+        title = QLabel("Monitor")
+        title.setObjectName("Section")
+        head.addWidget(title)
+        self.source = QLabel()
+        self.source.setObjectName("Muted")
+        head.addWidget(self.source, 1)
+        layout.addLayout(head)
+        self.note = QLabel()
+        self.note.setObjectName("Banner")
+        self.note.setWordWrap(True)
+        self.note.setVisible(False)
+        layout.addWidget(self.note)
+
+        stats = QHBoxLayout()
+        self.stat_tps = _Stat("Decode speed")
+        self.stat_kv = _Stat("KV cache")
+        self.stat_req = _Stat("Requests")
+        self.stat_vram = _Stat("VRAM")
+        for w in (self.stat_tps, self.stat_kv, self.stat_req, self.stat_vram):
+            stats.addWidget(w)
+        layout.addLayout(stats)
+
+        grid = QGridLayout()
+        self.plot_tps = self._plot("Decode tokens/s (last 5 s)")
+        self.plot_kv = self._plot("KV pages")
+        self.plot_vram = self._plot("VRAM used (MiB)")
+        self.curve_tps = self.plot_tps.plot(pen=pg.mkPen(c["series1"], width=2), name="tok/s")
+        self.curve_used = self.plot_kv.plot(pen=pg.mkPen(c["series1"], width=2), name="used")
+        self.curve_free = self.plot_kv.plot(pen=pg.mkPen(c["series2"], width=2), name="free")
+        self.curve_vram = self.plot_vram.plot(pen=pg.mkPen(c["series3"], width=2), name="used")
+        grid.addWidget(self.plot_tps, 0, 0)
+        grid.addWidget(self.plot_kv, 0, 1)
+        grid.addWidget(self.plot_vram, 1, 0, 1, 2)
+        self.vram_missing = QLabel(self.vram.note)
+        self.vram_missing.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.vram_missing.setObjectName("Muted")
+        grid.addWidget(self.vram_missing, 1, 0, 1, 2)
+        self.plot_vram.setVisible(self.vram.handle is not None)
+        self.vram_missing.setVisible(self.vram.handle is None)
+        layout.addLayout(grid, 1)
+
+    def restyle(self) -> None:
+        c = theme.colors()
+        for plot in (self.plot_tps, self.plot_kv, self.plot_vram):
+            plot.setBackground(c["plot_bg"])
+            for side in ("left", "bottom"):
+                axis = plot.getAxis(side)
+                axis.setPen(pg.mkPen(c["plot_fg"]))
+                axis.setTextPen(pg.mkPen(c["plot_fg"]))
+            plot.setTitle(plot.plotItem.titleLabel.text, size="10pt", color=c["plot_fg"])
+        for curve, key in ((self.curve_tps, "series1"), (self.curve_used, "series1"), (self.curve_free, "series2"),
+                           (self.curve_vram, "series3")):
+            curve.setPen(pg.mkPen(c[key], width=2))
+
+    def _plot(self, title: str) -> pg.PlotWidget:
+        w = pg.PlotWidget()
+        w.setTitle(title, size="10pt")
+        w.showGrid(x=True, y=True, alpha=0.15)
+        w.setLabel("bottom", "seconds")
+        w.setMouseEnabled(x=False, y=False)
+        w.hideButtons()
+        w.setMinimumHeight(170)
+        w.addLegend(offset=(-10, 10))
+        return w
+
+    # ---- reading -----------------------------------------------------------------------------------------------------
+    def tick(self) -> None:
+        c = self.controller
+        if c.remote:
+            if not self._inflight and c.client is not None:
+                self._inflight = True
+                spawn(self._remote_tick(), "monitor-remote")
+            return
+        service = c.service
+        if service is None:
+            self.push({}, "no engine running", available=False)
+            return
+        s = service.stats()
+        ttft = (s.get("ttft_seconds") or {}).get("p50")
+        values = {"decode_tps": self._local_rate(s),
+                  "decode_tps_avg": s.get("decode_tokens_per_second"), "pages_used": s.get("pages_used"),
+                  "pages_free": s.get("pages_free"), "running": s.get("running"), "waiting": s.get("waiting"),
+                  "ttft_p50": ttft, "requests": s.get("http_requests_total")}
+        status = s.get("status")
+        note = "" if status == "ready" else f"engine {status}" + (f": {s.get('error')}" if s.get("error") else "")
+        self.push(values, f"this computer's engine · {s.get('device') or ''} · {s.get('url')}", note=note)
+
+    def _local_rate(self, s: dict) -> float | None:
+        """Decode tokens per engine-second over the last few seconds (0 while idle)."""
+        tokens, seconds = s.get("decode_tokens"), s.get("decode_seconds")
+        if tokens is None or seconds is None:
+            self.counters.clear()
+            return None
+        if self.counters and tokens < self.counters[-1][0]:  # a new engine: start over
+            self.counters.clear()
+        self.counters.append((tokens, seconds))
+        t0, s0 = self.counters[0]
+        return (tokens - t0) / (seconds - s0) if tokens > t0 and seconds > s0 else 0.0
+
+    async def _remote_tick(self) -> None:
+        try:
+            client = self.controller.client
+            reading = await client.metrics()
+            if reading.available:
+                self.push(dict(reading.values), f"{client.endpoint.base_url}/metrics · {reading.note}")
+            else:
+                self.push({}, f"{client.endpoint.base_url}", note=f"The monitor cannot show this server: "
+                                                                 f"{reading.note}.", available=False)
+        finally:
+            self._inflight = False
+
+    def push(self, values: dict, source: str, note: str = "", available: bool = True) -> None:
+        """One sample: updates the numbers and the curves."""
+        vram = self.vram.read()
+        if vram is not None:
+            values["vram_used"], values["vram_total"] = vram
+        self.last = values
+        self.updates += 1
+        self.source.setText(source)
+        self.note.setText(note)
+        self.note.setVisible(bool(note))
+        now = time.monotonic() - self.t0
+        self.times.append(now)
+        for key, series in self.series.items():
+            v = values.get(key)
+            series.append(float(v) if isinstance(v, (int, float)) else float("nan"))
+        xs = [t - now for t in self.times]
+        self.curve_tps.setData(xs, list(self.series["decode_tps"]), connect="finite")
+        self.curve_used.setData(xs, list(self.series["pages_used"]), connect="finite")
+        self.curve_free.setData(xs, list(self.series["pages_free"]), connect="finite")
+        if vram is not None:
+            self.curve_vram.setData(xs, list(self.series["vram_used"]), connect="finite")
+        self._numbers(values, available)
+        self.updated.emit(values)
+
+    def _numbers(self, v: dict, available: bool) -> None:
+        def num(x, fmt):
+            return fmt.format(x) if isinstance(x, (int, float)) else "—"
+        details = []
+        if v.get("decode_tps_avg"):
+            details.append(f"average {v['decode_tps_avg']:.1f} tok/s")
+        if v.get("ttft_p50") is not None:
+            details.append(f"TTFT p50 {v['ttft_p50']:.2f} s")
+        self.stat_tps.set(num(v.get("decode_tps"), "{:.1f} tok/s"), " · ".join(details))
+        used, free = v.get("pages_used"), v.get("pages_free")
+        if isinstance(used, (int, float)) and isinstance(free, (int, float)):
+            self.stat_kv.set(f"{used:.0f} / {used + free:.0f}", "pages used / total")
+        else:
+            self.stat_kv.set("—", "not reported" if available else "")
+        self.stat_req.set(num(v.get("running"), "{:.0f} running"),
+                          num(v.get("waiting"), "{:.0f} waiting") + (f" · {v['requests']} HTTP requests"
+                                                                      if v.get("requests") is not None else ""))
+        if v.get("vram_total"):
+            self.stat_vram.set(f"{v['vram_used']:,.0f} MiB", f"of {v['vram_total']:,.0f} MiB · {self.vram.name}")
+        else:
+            self.stat_vram.set("—", self.vram.note or "no NVIDIA GPU")

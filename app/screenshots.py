@@ -1,0 +1,129 @@
+"""Drives the real app through a short session and saves screenshots (run by scripts/screenshots.sh under Xvfb).
+
+    python -m app.screenshots OUT_DIR
+
+Launcher (and the same launcher with a preset this version cannot run), a chat while the answer streams, the
+finished answer, the monitor, the server panel, and the chat in the dark palette. It loads the embedded default
+model and serves it on a free port; NINFER_HOME should point at an empty folder so nothing of yours is touched.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+from pathlib import Path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.1)
+
+
+async def drive(app, controller, out: Path) -> None:
+    from app import theme
+
+    shots: list[Path] = []
+
+    def save(widget, name: str) -> None:
+        app.processEvents()
+        path = out / name
+        if not widget.grab().save(str(path)):
+            raise RuntimeError(f"could not save {path}")
+        shots.append(path)
+        print(f"saved {path}", flush=True)
+
+    launcher = controller.launcher
+    launcher.resize(1180, 780)
+    launcher.show()
+    launcher.apply_config({"model": None, "preset": "12gb-mtp", "values": {}})
+    await _until(lambda: launcher.report is not None and launcher.validation is not None
+                 and launcher.validation.info is not None, 180, "the launcher's checks")
+    await asyncio.sleep(0.5)
+    save(launcher, "launcher-problems.png")
+
+    launcher.apply_config({"model": None, "preset": "cpu-default",
+                           "values": {"port": _free_port(), "max_context": 2048, "max_concurrency": 2}})
+    await _until(launcher.start_button.isEnabled, 120, "Start to be enabled")
+    await asyncio.sleep(0.5)
+    save(launcher, "launcher.png")
+
+    launcher.start()
+    await _until(lambda: launcher.progress.value() > 150 or controller.window is not None, 120, "loading progress")
+    save(launcher, "launcher-loading.png")
+    await _until(lambda: controller.window is not None and controller.mode is not None, 300, "the model to load")
+    window = controller.window
+    window.resize(1280, 820)
+    await asyncio.sleep(0.5)
+
+    chat = window.chat
+    chat.max_tokens = 160
+    chat.send("Write a Python function that checks whether a word is a palindrome.")
+    await _until(lambda: len(chat.messages[-1].content) > 140 or not chat.busy, 300, "the answer to start")
+    chat.render()
+    save(window, "chat-streaming.png")
+    await _until(lambda: not chat.busy, 300, "the answer to finish")
+    chat.render()
+    save(window, "chat.png")
+
+    window.tabs.setCurrentWidget(window.monitor)
+    for question in ("Explain what a palindrome is, with three examples.", "Now write the same function in Rust."):
+        await asyncio.sleep(2)  # an idle gap between answers, as in real use
+        chat.send(question)
+        await _until(lambda: not chat.busy, 300, "the answer to finish")
+    await asyncio.sleep(1.2)
+    save(window, "monitor.png")
+    window.tabs.setCurrentWidget(window.server)
+    await asyncio.sleep(0.3)
+    save(window, "server.png")
+
+    theme.apply(app, dark=True)
+    controller.restyle()
+    window.tabs.setCurrentWidget(chat)
+    await asyncio.sleep(0.5)
+    save(window, "chat-dark.png")
+    theme.apply(app, dark=False)
+    controller.restyle()
+    print(f"{len(shots)} screenshots in {out}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import qasync
+    from PySide6.QtWidgets import QApplication
+
+    from app import theme
+    from app.controller import Controller
+
+    argv = sys.argv[1:] if argv is None else argv
+    out = Path(argv[0] if argv else "docs/screenshots").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("NInfer")
+    app.setQuitOnLastWindowClosed(False)
+    theme.apply(app, dark=False)
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    controller = Controller(has_tray=False, quit_app=lambda: None)
+
+    async def session():
+        try:
+            await drive(app, controller, out)
+        finally:
+            await controller.quit()
+
+    with loop:
+        loop.run_until_complete(session())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

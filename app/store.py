@@ -1,0 +1,154 @@
+"""Conversations on disk (Qt-free): SQLite under the user's data dir.
+
+A conversation has a title, a system prompt and ordered messages; a message keeps its role, content, reasoning, tool
+calls and the numbers measured while it streamed (tokens, TTFT, tok/s). Writes commit at once, so a crash loses at
+most the message being streamed.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app import paths
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    title TEXT NOT NULL,
+    system_prompt TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    position INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL DEFAULT '',
+    reasoning TEXT NOT NULL DEFAULT '',
+    tool_calls TEXT NOT NULL DEFAULT '[]',
+    stats TEXT NOT NULL DEFAULT '{}',
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, position);
+"""
+
+
+@dataclass
+class Message:
+    role: str  # system | user | assistant | tool
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)  # tokens, ttft, tok_s, finish, error
+    id: int | None = None
+
+    def api_dict(self) -> dict[str, Any]:
+        """As an OpenAI chat message (reasoning is not sent back)."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = self.tool_calls
+        return d
+
+
+@dataclass
+class Conversation:
+    id: int
+    title: str
+    system_prompt: str = ""
+    created: float = 0.0
+    updated: float = 0.0
+
+
+class ConversationStore:
+    def __init__(self, path: Path | str | None = None):
+        self.path = Path(path) if path else paths.conversations_db()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path))
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA foreign_keys = ON")
+        self.db.executescript(SCHEMA)
+        self.db.commit()
+
+    def close(self) -> None:
+        self.db.close()
+
+    # ---- conversations ---------------------------------------------------------------------------------------
+    def create(self, title: str = "New chat", system_prompt: str = "") -> Conversation:
+        now = time.time()
+        cur = self.db.execute("INSERT INTO conversations(title, system_prompt, created, updated) VALUES (?,?,?,?)",
+                              (title, system_prompt, now, now))
+        self.db.commit()
+        return Conversation(cur.lastrowid, title, system_prompt, now, now)
+
+    def _conv(self, row) -> Conversation:
+        return Conversation(row["id"], row["title"], row["system_prompt"], row["created"], row["updated"])
+
+    def get(self, conversation_id: int) -> Conversation | None:
+        row = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
+        return self._conv(row) if row else None
+
+    def list(self, search: str = "") -> list[Conversation]:
+        """Newest first; ``search`` matches titles and message text (case-insensitive)."""
+        if search.strip():
+            like = "%" + search.strip().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            rows = self.db.execute(
+                "SELECT * FROM conversations c WHERE c.title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m "
+                "WHERE m.conversation_id=c.id AND m.content LIKE ? ESCAPE '\\') ORDER BY updated DESC, id DESC",
+                (like, like)).fetchall()
+        else:
+            rows = self.db.execute("SELECT * FROM conversations ORDER BY updated DESC, id DESC").fetchall()
+        return [self._conv(r) for r in rows]
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        self.db.execute("UPDATE conversations SET title=?, updated=? WHERE id=?",
+                        (title.strip() or "Untitled", time.time(), conversation_id))
+        self.db.commit()
+
+    def set_system_prompt(self, conversation_id: int, text: str) -> None:
+        self.db.execute("UPDATE conversations SET system_prompt=? WHERE id=?", (text, conversation_id))
+        self.db.commit()
+
+    def delete(self, conversation_id: int) -> None:
+        self.db.execute("DELETE FROM conversations WHERE id=?", (conversation_id,))
+        self.db.commit()
+
+    # ---- messages ----------------------------------------------------------------------------------------------
+    def messages(self, conversation_id: int) -> list[Message]:
+        rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY position",
+                               (conversation_id,)).fetchall()
+        return [Message(r["role"], r["content"], r["reasoning"], json.loads(r["tool_calls"]), json.loads(r["stats"]),
+                        r["id"]) for r in rows]
+
+    def append(self, conversation_id: int, message: Message) -> Message:
+        (position,) = self.db.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id=?",
+                                      (conversation_id,)).fetchone()
+        now = time.time()
+        cur = self.db.execute(
+            "INSERT INTO messages(conversation_id, position, role, content, reasoning, tool_calls, stats, created) "
+            "VALUES (?,?,?,?,?,?,?,?)",
+            (conversation_id, position, message.role, message.content, message.reasoning,
+             json.dumps(message.tool_calls), json.dumps(message.stats), now))
+        self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conversation_id))
+        self.db.commit()
+        message.id = cur.lastrowid
+        return message
+
+    def update(self, message: Message) -> None:
+        if message.id is None:
+            raise ValueError("the message was never stored")
+        self.db.execute("UPDATE messages SET content=?, reasoning=?, tool_calls=?, stats=? WHERE id=?",
+                        (message.content, message.reasoning, json.dumps(message.tool_calls),
+                         json.dumps(message.stats), message.id))
+        self.db.commit()
+
+    def truncate(self, conversation_id: int, keep: int) -> None:
+        """Keeps the first ``keep`` messages (for regenerate and edit-and-resend)."""
+        ids = [r[0] for r in self.db.execute("SELECT id FROM messages WHERE conversation_id=? ORDER BY position",
+                                             (conversation_id,)).fetchall()][max(keep, 0):]
+        self.db.executemany("DELETE FROM messages WHERE id=?", [(i,) for i in ids])
+        self.db.commit()

@@ -1,0 +1,59 @@
+"""engine.service.LocalService without Qt: the errors it raises at once, cancelling a load, and its rules.
+(Starting, serving and stopping a real engine is covered by test_flow.py through the app.)"""
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from engine.config import settings_from_mapping
+from engine.errors import ModelLoadError, NInferError
+from engine.service import CANCELLED, STOPPED, LocalService, PortInUseError, connect_host
+from tests.app.conftest import free_port
+
+
+def test_a_missing_model_fails_before_any_thread(tmp_path):
+    with pytest.raises(ModelLoadError):
+        LocalService(settings_from_mapping({"model": str(tmp_path / "none.gguf")}, "app"))
+
+
+def test_a_taken_port_fails_at_start():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        service = LocalService(settings_from_mapping({"port": s.getsockname()[1]}, "app"))
+        with pytest.raises(PortInUseError) as e:
+            service.start()
+        assert "choose another port" in str(e.value)
+        assert service.status == STOPPED and not service.serving
+
+
+def test_cancel_a_load_and_the_lan_rule():
+    port = free_port()
+    service = LocalService(settings_from_mapping({"port": port, "max_context": 512}, "app")).start()
+    try:
+        assert service.serving and service.url == f"http://127.0.0.1:{port}/v1"
+        health = httpx.get(service.base_url + "/health", timeout=10)
+        assert health.status_code == 503 and health.json()["status"] == "loading"  # the API answers while loading
+        with pytest.raises(NInferError, match="without a key"):
+            service.restart_server(host="0.0.0.0")
+        assert service.host == "127.0.0.1"
+        service.cancel()
+        assert not service.wait_ready(120)
+        assert service.status == CANCELLED and "cancelled" in service.load_error
+        deadline = time.time() + 10
+        while service.serving and time.time() < deadline:
+            time.sleep(0.05)
+        assert not service.serving
+        stats = service.stats()
+        assert stats["status"] == CANCELLED and stats["engine_attached"] is False
+    finally:
+        service.stop()
+    assert not service.serving and service.state.loaded is None
+
+
+def test_connect_host():
+    assert connect_host("0.0.0.0") == "127.0.0.1" and connect_host("::") == "[::1]"
+    assert connect_host("127.0.0.1") == "127.0.0.1" and connect_host("::1") == "[::1]"
