@@ -249,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", choices=("transformers", "none"), default="transformers")
     p.add_argument("--json", type=Path, default=None, help="write all results to this JSON file")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--via-api", action="store_true",
+                   help="also measure through the HTTP server (streaming) and compare with engine-direct")
     return p
 
 
@@ -288,6 +290,9 @@ def _run(args, command: str) -> int:
     with LoadMeter() as meter:
         try:
             ours = bench_engine(loaded, prompt, args.gen_tokens, args.repeat)
+            if args.via_api:
+                from engine.bench_api import bench_via_api
+                api = bench_via_api(loaded, prompt, args.gen_tokens, args.repeat)
         finally:
             loaded.engine.shutdown()
         if args.compare == "transformers":
@@ -299,9 +304,13 @@ def _run(args, command: str) -> int:
     facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
     command = command.strip()
     print(format_table(facts, ours, theirs, ratio, command))
+    if args.via_api:
+        from engine.bench_api import format_api_table
+        print(format_api_table(ours, api))
     if args.json:
         result = dict(command=command, machine=facts, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                      repeat=args.repeat, ninfer=ours, transformers=theirs, ratio=ratio)
+                      repeat=args.repeat, ninfer=ours, transformers=theirs, ratio=ratio,
+                      via_api=api if args.via_api else None)
         args.json.write_text(json.dumps(result, indent=2))
     return 0
 

@@ -87,3 +87,17 @@ def test_helpers():
 
 def test_bad_arguments():
     assert main(["--gen-tokens", "1", "--compare", "none"]) == 2
+
+
+def test_bench_via_api_compares_http_with_engine_direct(tmp_path, capsys):
+    import json
+
+    from engine.bench import main
+    out = tmp_path / "api.json"
+    assert main(["--prompt-tokens", "24", "--gen-tokens", "6", "--repeat", "1", "--compare", "none", "--via-api",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    api = result["via_api"]
+    assert api["decode_tps"] > 0 and api["ttft_s"] > 0
+    assert len(api["tokens"]) == len(result["ninfer"]["tokens"]) == 6
+    assert "API/direct" in capsys.readouterr().out
