@@ -23,6 +23,7 @@ from app.appconfig import AppConfig
 from app.asyncutil import spawn
 from app.client import ApiClient, ApiError, Endpoint
 from app.launcher import LauncherWindow
+from app.qtcompat import guard_none_refcount
 from app.store import ConversationStore
 from app.tray import Tray
 
@@ -39,6 +40,7 @@ class Controller(QObject):
                  confirm_quit: Callable[[], bool] | None = None, quit_app: Callable[[], None] | None = None,
                  log_handler: logs.QtLogHandler | None = None):
         super().__init__()
+        guard_none_refcount()  # PySide6 6.12 on Python 3.11 would otherwise crash a long session (see qtcompat)
         self.config = config or AppConfig()
         self.store = store or ConversationStore()
         self.log_handler = log_handler or logs.install()
