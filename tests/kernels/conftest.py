@@ -6,10 +6,12 @@ as it was, so that the rest of a combined `pytest tests` session (which collects
 does not route the engine's CPU work through the interpreter via kernels.dispatch.use_triton; the autouse fixture
 below sets it again for each kernel test.
 
-Seeds: every test draws fresh random inputs from a new seed; set NINFER_TEST_SEED to replay one (the seed is printed
-with a failing test's captured output).
+Seeds: every test draws random inputs from its own seed (a hash of the test's id, so CI runs are repeatable);
+set NINFER_TEST_SEED=random for new inputs on every run, or to a number to replay one (the seed is printed with a
+failing test's captured output).
 """
 import os
+import zlib
 import sys
 
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
@@ -35,10 +37,14 @@ else:
 
 
 @pytest.fixture(autouse=True)
-def _interpret_and_seed(monkeypatch):
+def _interpret_and_seed(monkeypatch, request):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("NINFER_NO_TRITON", raising=False)
-    seed = int(os.environ.get("NINFER_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
+    wanted = os.environ.get("NINFER_TEST_SEED", "")
+    if wanted == "random":
+        seed = int.from_bytes(os.urandom(4), "little")
+    else:
+        seed = int(wanted) if wanted else zlib.crc32(request.node.nodeid.encode())
     print(f"NINFER_TEST_SEED={seed}")
     torch.manual_seed(seed)
     yield
