@@ -106,3 +106,10 @@ class PagePool:
             return False
         pages.extend(self.allocate(missing))
         return True
+
+    def shrink_to(self, pages: list[int], num_tokens: int) -> None:
+        """Drops the pages past those holding num_tokens (a sequence that gave back tokens, e.g. rejected drafts)."""
+        keep = self.pages_for(num_tokens)
+        if keep < len(pages):
+            self.deallocate(pages[keep:])
+            del pages[keep:]
