@@ -1,37 +1,28 @@
-"""A quick memory estimate for the launcher (Qt-free): model weights + KV cache + headroom against VRAM or RAM.
+"""The launcher's memory plan (Qt-free): the engine's own memory ledger (``engine.ledger``) for the chosen model,
+settings and this machine, and the stacked bars the launcher draws from it.
 
-Kept deliberately simple until the engine's memory ledger exists: weights are the model's parameter count (read from
-the GGUF tensor table or the safetensors headers, without loading anything; the file size when that fails) times the
-bytes per weight the engine will hold (it dequantizes at load: fp32 on the CPU, bf16 on a GPU by default); the KV
-cache is bytes per token (layers x KV heads x (K + V bytes per head), from the model's config and the KV format, as
-the engine counts it) times the
-tokens the cache will hold, decided the way ``engine.build.kv_pages`` decides it.
+Nothing is counted here: the ledger gives every line (weights, draft, KV pages, headroom, activations, host KV, ...)
+with the same arithmetic ``ninfer-doctor --ledger`` prints, and the KV bytes per token of each KV format (codes and
+scales of the quantized ones) from its layout table. This module only reads the model's metadata (no weights are
+loaded), picks the budgets the way ``ninfer-doctor --ledger`` does (the free VRAM of the usable GPU, the available
+RAM) and groups the lines into bars: weights / draft / KV GPU / headroom against VRAM, host KV against RAM.
 """
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-PAGE = 64  # tokens per KV page (engine.kv.cache.PAGE_SIZE, without importing torch here)
-CPU_KV_RAM_FRACTION = 0.25  # engine.build.CPU_KV_RAM_FRACTION
+from engine.ledger import Ledger, ModelShape, build_ledger
+
 MIB = 2**20
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-# (K, V) bytes per value for the KV formats, without quantization scales: a fallback when the engine cannot say
-KV_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "fp16": (2, 2), "k8v8": (1, 1), "k8v4": (1, 0.5), "k4v4": (0.5, 0.5),
-            "rk4v4": (0.5, 0.5)}
 
-
-def kv_bytes_per_token(cfg: Any, kv_dtype: str) -> int:
-    """KV bytes one token takes over all layers: the engine's own count (scales included) when it knows the format."""
-    try:
-        from engine.kv.cache import KVCache
-        return int(KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype))
-    except Exception:  # an engine without this format (or without the helper): count the values
-        k, v = KV_BYTES.get(kv_dtype, (4, 4))
-        return int(cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * (k + v))
+# How the ledger's lines are grouped into the bars' segments, in drawing order: (segment key, label, line keys)
+SEGMENTS = (("weights", "weights", ("weights",)), ("draft", "draft", ("draft", "draft_kv")),
+            ("kv", "KV", ("kv",)), ("host_kv", "host KV", ("host_kv",)),
+            ("other", "workspace", ("activations", "state", "runtime")), ("headroom", "headroom", ("headroom",)))
+# A ledger note that describes an older engine (low-bit GGUF weights now stay as stored): not shown to users
+_STALE_NOTES = ("today's engine dequantizes them at load",)
 
 
 @dataclass
@@ -39,30 +30,19 @@ class ModelInfo:
     path: Path
     kind: str  # "gguf" | "hf"
     config: Any  # engine.model.config.ModelConfig
-    params: int  # 0 when unknown
+    shape: ModelShape  # what the memory ledger plans for
     file_bytes: int
 
     @property
     def name(self) -> str:
         return self.config.name or self.path.name
 
+    @property
+    def params(self) -> int:
+        return self.shape.params
+
 
 _INFO_CACHE: dict[tuple, ModelInfo] = {}
-
-
-def _safetensors_params(folder: Path) -> int:
-    total = 0
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                count = 1
-                for d in entry.get("shape", []):
-                    count *= int(d)
-                total += count
-    return total
 
 
 def _size(path: Path) -> int:
@@ -71,9 +51,9 @@ def _size(path: Path) -> int:
     return path.stat().st_size
 
 
-def model_info(path: str | Path) -> ModelInfo:
-    """Reads a model's config and parameter count without loading weights; raises NInferError (ModelLoadError)
-    with a remedy when the path is not a usable model. Cached by path, size and modification time."""
+def model_info(path: str | Path | None) -> ModelInfo:
+    """Reads a model's config and shape without loading weights; raises NInferError (ModelLoadError) with a remedy
+    when the path is not a usable model. Cached by path, size and modification time."""
     from engine.errors import ModelLoadError
     from engine.model.loader import resolve_model_path
 
@@ -84,107 +64,166 @@ def model_info(path: str | Path) -> ModelInfo:
         return _INFO_CACHE[key]
     if p.is_dir():
         from engine.model.hf_folder import read_config
-        cfg = read_config(p)
-        try:
-            params = _safetensors_params(p)
-        except (OSError, ValueError, struct.error):
-            params = 0
-        info = ModelInfo(p, "hf", cfg, params, _size(p))
+        info = ModelInfo(p, "hf", read_config(p), ModelShape.from_path(p), _size(p))
     else:
         with open(p, "rb") as f:
             magic = f.read(4)
         if magic != b"GGUF":
             raise ModelLoadError(f"{p.name} is neither a GGUF file nor a model folder.",
                                  "Pick a .gguf file, or a folder with config.json and *.safetensors.")
-        from engine.model.gguf_file import hf_name, open_gguf, read_config
-        reader = open_gguf(p)
-        cfg = read_config(reader, p)
-        params = sum(int(t.n_elements) for t in reader.tensors if hf_name(t.name) and hf_name(t.name) != "rope_freqs")
-        info = ModelInfo(p, "gguf", cfg, params, stat.st_size)
+        from engine.model.gguf_file import open_gguf, read_config
+        info = ModelInfo(p, "gguf", read_config(open_gguf(p), p), ModelShape.from_path(p), stat.st_size)
     _INFO_CACHE[key] = info
     return info
 
 
+# ---------------------------------------------------------------- the bars
+
+@dataclass(frozen=True)
+class Segment:
+    key: str  # weights | draft | kv | host_kv | other | headroom
+    label: str
+    bytes: int
+    reserved: bool = False  # kept free, not allocated (the headroom)
+
+
+@dataclass(frozen=True)
+class Bar:
+    """One device: its memory, what other programs already use, the ledger's lines, and the ledger's budget."""
+
+    device: str  # "gpu" | "host"
+    title: str  # "VRAM" | "RAM"
+    capacity: int  # the device's total memory
+    others: int  # already in use before the engine starts (capacity - budget)
+    budget: int  # what the ledger plans against: free VRAM / available RAM
+    segments: tuple[Segment, ...]
+
+    @property
+    def planned(self) -> int:
+        return sum(s.bytes for s in self.segments)
+
+    @property
+    def over(self) -> int:
+        """Bytes beyond the budget (0 when it fits)."""
+        return max(self.planned - self.budget, 0)
+
+    def text(self) -> str:
+        parts = " + ".join(f"{s.label} {s.bytes / MIB:,.0f}" for s in self.segments if s.bytes)
+        verdict = f", {self.over / MIB:,.0f} MiB over" if self.over else ""
+        return f"{self.title}: {parts} MiB of {self.budget / MIB:,.0f} MiB free{verdict}"
+
+
 @dataclass
 class MemoryEstimate:
-    device: str  # "cpu" or "cuda"
-    total: int  # bytes of VRAM (GPU) or RAM (CPU)
-    used_by_others: int  # already in use before the engine starts
-    weights: int
-    kv: int
-    kv_tokens: int
-    kv_bytes_per_token: int
-    headroom: int  # kept free (GPU: --kv-headroom-mib)
-    context: int
-    weight_dtype: str
-    kv_dtype: str
-    problems: list[tuple[str, str]] = field(default_factory=list)  # (message, remedy), each an error
+    ledger: Ledger
+    device: str  # "cuda" or "cpu": where the weights and the KV pool go
+    capacity: dict[str, int]  # ledger device -> total memory of that device
+    problems: list[tuple[str, str, str]] = field(default_factory=list)  # (level, message, remedy)
+    notes: list[str] = field(default_factory=list)
+
+    # -- the numbers the launcher shows, all from the ledger
+    def _line(self, key: str) -> int:
+        line = self.ledger.line(key)
+        return line.bytes if line else 0
+
+    @property
+    def weights(self) -> int:
+        return self._line("weights")
+
+    @property
+    def draft(self) -> int:
+        return self._line("draft") + self._line("draft_kv")
+
+    @property
+    def kv(self) -> int:
+        return self._line("kv")
+
+    @property
+    def host_kv(self) -> int:
+        return self._line("host_kv")
+
+    @property
+    def headroom(self) -> int:
+        return self._line("headroom")
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.ledger.kv_capacity_tokens
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.ledger.page_bytes // self.ledger.page_size
+
+    @property
+    def context(self) -> int:
+        return self.ledger.max_context
+
+    @property
+    def weight_dtype(self) -> str:
+        return self.ledger.weight_dtype
+
+    @property
+    def weight_format(self) -> str:
+        """The weights' format in words: the dtype asked for, or what the file stores (auto)."""
+        if self.ledger.weight_dtype != "auto":
+            return self.ledger.weight_dtype
+        return f"as stored ({self.ledger.shape.stored_format})" if self.ledger.shape.stored_format else "as stored"
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.ledger.kv_dtype
+
+    @property
+    def total(self) -> int:
+        """Total memory of the device the KV pool lives on."""
+        return self.capacity[self.ledger.kv_device]
 
     @property
     def fits(self) -> bool:
-        return not self.problems
+        return not any(level == "error" for level, _, _ in self.problems)
 
-    @property
-    def free_after(self) -> int:
-        return self.total - self.used_by_others - self.weights - self.kv - self.headroom
+    def bars(self) -> list[Bar]:
+        """One bar per device: VRAM (weights / draft / KV GPU / workspace / headroom) and RAM (host KV, runtime; or
+        everything when there is no GPU)."""
+        out = []
+        for device, budget in self.ledger.budgets.items():
+            lines = self.ledger.device_lines(device)
+            segments = []
+            for key, label, keys in SEGMENTS:
+                size = sum(line.bytes for line in lines if line.key in keys)
+                if key == "kv" and device == "gpu":
+                    label = "KV GPU"
+                if key == "other" and any(line.key == "runtime" for line in lines):
+                    label = "runtime + workspace"
+                if size:
+                    segments.append(Segment(key, label, size, reserved=key == "headroom"))
+            capacity = max(self.capacity.get(device, budget), budget)
+            out.append(Bar(device, "VRAM" if device == "gpu" else "RAM", capacity, capacity - budget, budget,
+                           tuple(segments)))
+        return out
 
     def summary(self) -> str:
-        where = "VRAM" if self.device == "cuda" else "RAM"
-        return (f"weights {self.weights / MIB:,.0f} MiB ({self.weight_dtype}) + KV {self.kv / MIB:,.0f} MiB "
-                f"({self.kv_tokens:,} tokens × {self.kv_bytes_per_token / 1024:.1f} KiB, {self.kv_dtype}) + headroom "
-                f"{self.headroom / MIB:,.0f} MiB of {self.total / MIB:,.0f} MiB {where}")
-
-
-def _dtype(name: str, device: str) -> str:
-    return ("bf16" if device == "cuda" else "fp32") if name == "auto" else name
+        return (f"KV {self.kv_tokens:,} tokens × {self.kv_bytes_per_token:,} B ({self.kv_dtype}); weights "
+                f"{self.weight_format}; " + "; ".join(bar.text() for bar in self.bars()))
 
 
 def estimate(info: ModelInfo, settings: Any, report: Any) -> MemoryEstimate:
-    """``settings``: effective engine Settings (or any object with the same attributes); ``report``: a
-    HardwareReport (for the device, VRAM and RAM)."""
-    cfg = info.config
+    """The ledger of ``info``'s model under ``settings`` (effective engine Settings, or any object with the same
+    attributes) on the machine ``report`` describes (a HardwareReport): the usable GPU's free VRAM (none when the
+    device is cpu) and the available RAM, as ``ninfer-doctor --ledger`` plans."""
+    from engine.errors import NInferError
+
     gpu = report.usable_gpu() if settings.device != "cpu" else None
-    device = "cuda" if gpu is not None else "cpu"
-    wdt, kdt = _dtype(settings.weight_dtype, device), _dtype(settings.kv_dtype, device)
-    weights = info.params * DTYPE_BYTES.get(wdt, 4) if info.params else info.file_bytes
-    per_token = kv_bytes_per_token(cfg, kdt)
-    problems: list[tuple[str, str]] = []
-    context = settings.max_context or cfg.max_position
-    if settings.max_context > cfg.max_position:
-        problems.append((f"max_context {settings.max_context} is beyond this model's trained context of "
-                         f"{cfg.max_position} tokens.", f"Use {cfg.max_position} or less (0 = the model's own)."))
-        context = cfg.max_position
-    pages_per_seq = -(-context // PAGE)
+    vram_total = gpu.vram_total_mib if gpu is not None else 0
+    vram_free = (gpu.vram_free_mib if gpu.vram_free_mib is not None else gpu.vram_total_mib) if gpu else 0
+    ram_total, ram_free = report.ram_total_mib, report.ram_available_mib
+    try:
+        ledger = build_ledger(info.shape, settings, vram_mib=int(vram_free), ram_mib=int(ram_free))
+    except NInferError as e:  # e.g. a draft model that cannot be read
+        raise ValueError(f"{e.problem} {e.remedy}".strip()) from None
+    capacity = {"host": int(ram_total) * MIB}
     if gpu is not None:
-        total = gpu.vram_total_mib * MIB
-        free = (gpu.vram_free_mib if gpu.vram_free_mib is not None else gpu.vram_total_mib) * MIB
-        headroom = settings.kv_headroom_mib * MIB
-        budget = free - weights - headroom  # the engine measures free memory after loading the weights
-    else:
-        total = report.ram_total_mib * MIB
-        free = report.ram_available_mib * MIB
-        headroom = 0
-        budget = int((free - weights) * CPU_KV_RAM_FRACTION)
-    used = total - free
-    page_bytes = per_token * PAGE
-    if settings.kv_capacity != "auto":
-        pages = max(-(-int(settings.kv_capacity) // PAGE), 1)
-    else:
-        fits = max(budget, 0) // page_bytes
-        pages = min(pages_per_seq * settings.max_concurrency, fits)
-        if fits < pages_per_seq:
-            problems.append((f"The KV cache for one conversation of {context:,} tokens needs "
-                             f"{pages_per_seq * page_bytes / MIB:,.0f} MiB, but only {max(budget, 0) / MIB:,.0f} MiB "
-                             f"are left for it.", "Lower max_context, free memory (close other programs), or pick a "
-                                                  "smaller model or weight format."))
-    kv = pages * page_bytes
-    if weights > free:
-        problems.append((f"The weights need about {weights / MIB:,.0f} MiB but only {free / MIB:,.0f} MiB of "
-                         f"{'VRAM' if gpu else 'RAM'} are free.",
-                         "Pick a smaller model or a smaller weight format, or free memory."))
-    elif weights + kv + headroom > free and settings.kv_capacity != "auto":
-        problems.append((f"Weights ({weights / MIB:,.0f} MiB) + KV cache ({kv / MIB:,.0f} MiB for "
-                         f"{pages * PAGE:,} tokens) + headroom ({headroom / MIB:,.0f} MiB) exceed the "
-                         f"{free / MIB:,.0f} MiB free.", "Lower kv_capacity (or use auto), or lower max_context."))
-    return MemoryEstimate(device, total, used, weights, kv, pages * PAGE, per_token, headroom, context, wdt, kdt,
-                          problems)
+        capacity["gpu"] = int(vram_total) * MIB
+    problems = [(p.level, p.message, p.remedy) for p in ledger.check()]
+    notes = [n for n in ledger.notes if not any(stale in n for stale in _STALE_NOTES)]
+    return MemoryEstimate(ledger, "cuda" if gpu is not None else "cpu", capacity, problems, notes)

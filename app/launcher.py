@@ -12,99 +12,21 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from PySide6.QtCore import QRectF, QSize, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QPainter, QPainterPath
-from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QFileDialog, QFormLayout, QFrame, QHBoxLayout,
-                               QInputDialog, QLabel, QLineEdit, QMessageBox, QProgressBar, QPushButton, QScrollArea,
-                               QSizePolicy, QSplitter, QVBoxLayout, QWidget)
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QFormLayout, QHBoxLayout, QInputDialog, QLabel,
+                               QMessageBox, QProgressBar, QPushButton, QScrollArea, QSizePolicy, QSplitter, QVBoxLayout,
+                               QWidget)
 
 from app import theme
 from app.asyncutil import spawn
-from app.estimate import MIB, MemoryEstimate, ModelInfo
+from app.checks_panel import ChecksPanel
+from app.estimate import ModelInfo
+from app.remote_dialog import RemoteDialog
 from app.settings_form import SettingsForm
 from app.settings_model import Preset, baseline, changed_values, find_preset, presets, save_user_preset
 from app.validation import Check, Validation, model_check, validate
 
 EMBEDDED_LABEL = "Embedded: SmolLM2-135M-Instruct (Q4_1, runs anywhere)"
-ICONS = {"ok": "✔", "info": "ℹ", "warning": "⚠", "error": "✖"}
-AREA_TITLES = {"hardware": "Hardware", "model": "Model", "memory": "Memory", "settings": "Settings",
-               "environment": "Environment", "port": "Port", "load": "Loading"}
-
-
-class MemoryBar(QWidget):
-    """Weights | KV cache | headroom, over what is already used, against the device's total memory."""
-
-    def __init__(self, parent=None):
-        super().__init__(parent)
-        self.estimate: MemoryEstimate | None = None
-        self.setMinimumHeight(22)
-        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
-
-    def sizeHint(self) -> QSize:
-        return QSize(300, 22)
-
-    def set_estimate(self, estimate: MemoryEstimate | None) -> None:
-        self.estimate = estimate
-        self.setToolTip(estimate.summary() if estimate else "")
-        self.update()
-
-    def segments(self) -> list[tuple[str, int, str]]:
-        e = self.estimate
-        if e is None:
-            return []
-        c = theme.colors()
-        return [("in use by others", e.used_by_others, c["disabled"]), ("weights", e.weights, c["series1"]),
-                ("KV cache", e.kv, c["series2"]), ("headroom", e.headroom, c["series3"])]
-
-    def paintEvent(self, _event) -> None:
-        p = QPainter(self)
-        p.setRenderHint(QPainter.RenderHint.Antialiasing)
-        c = theme.colors()
-        rect = QRectF(self.rect()).adjusted(0.5, 0.5, -0.5, -0.5)
-        clip = QPainterPath()
-        clip.addRoundedRect(rect, 6, 6)
-        p.setClipPath(clip)
-        p.fillRect(rect, QColor(c["input"]))
-        e = self.estimate
-        if e is not None and e.total > 0:
-            x = rect.left()
-            for _, size, color in self.segments():
-                w = rect.width() * min(size, max(e.total - (x - rect.left()) / rect.width() * e.total, 0)) / e.total
-                p.fillRect(QRectF(x, rect.top(), w, rect.height()), QColor(color))
-                x += w
-            if not e.fits:
-                p.fillRect(QRectF(rect.right() - 6, rect.top(), 6, rect.height()), QColor(c["error"]))
-        p.setClipping(False)
-        p.setPen(QColor(c["border"]))
-        p.drawRoundedRect(rect, 6, 6)
-        p.end()
-
-
-class RemoteDialog(QDialog):
-    """URL and API key of another OpenAI-compatible server."""
-
-    def __init__(self, parent=None, url: str = "", key: str = ""):
-        super().__init__(parent)
-        self.setWindowTitle("Connect to a server")
-        form = QFormLayout(self)
-        note = QLabel("Chat with another OpenAI-compatible server (another NInfer, vLLM, llama.cpp, ...). "
-                      "Nothing is loaded on this computer.")
-        note.setWordWrap(True)
-        form.addRow(note)
-        self.url = QLineEdit(url or "http://127.0.0.1:8080/v1")
-        self.key = QLineEdit(key)
-        self.key.setEchoMode(QLineEdit.EchoMode.Password)
-        self.key.setPlaceholderText("none")
-        form.addRow("Server URL", self.url)
-        form.addRow("API key", self.key)
-        self.error = QLabel()
-        self.error.setWordWrap(True)
-        form.addRow(self.error)
-        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Ok | QDialogButtonBox.StandardButton.Cancel)
-        buttons.button(QDialogButtonBox.StandardButton.Ok).setText("Connect")
-        buttons.accepted.connect(self.accept)
-        buttons.rejected.connect(self.reject)
-        form.addRow(buttons)
 
 
 class LauncherWindow(QWidget):
@@ -208,32 +130,10 @@ class LauncherWindow(QWidget):
         scroll.setMinimumWidth(430)
         split.addWidget(scroll)
 
-        checks_card = QFrame()
-        checks_card.setObjectName("Card")
-        cl = QVBoxLayout(checks_card)
-        cl.setContentsMargins(14, 12, 14, 12)
-        section = QLabel("Checks")
-        section.setObjectName("Section")
-        cl.addWidget(section)
-        mem_title = QLabel("Memory estimate")
-        mem_title.setObjectName("Muted")
-        cl.addWidget(mem_title)
-        self.memory_bar = MemoryBar()
-        cl.addWidget(self.memory_bar)
-        self.memory_legend = QLabel()
-        self.memory_legend.setWordWrap(True)
-        self.memory_legend.setTextFormat(Qt.TextFormat.RichText)
-        cl.addWidget(self.memory_legend)
-        self.checks_label = QLabel()
-        self.checks_label.setWordWrap(True)
-        self.checks_label.setTextFormat(Qt.TextFormat.RichText)
-        self.checks_label.setAlignment(Qt.AlignmentFlag.AlignTop)
-        self.checks_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        checks_scroll = QScrollArea()
-        checks_scroll.setWidgetResizable(True)
-        checks_scroll.setWidget(self.checks_label)
-        cl.addWidget(checks_scroll, 1)
-        split.addWidget(checks_card)
+        self.checks = ChecksPanel()
+        self.memory_bar = self.checks.memory_bar
+        self.checks_label = self.checks.checks_label
+        split.addWidget(self.checks)
         split.setStretchFactor(0, 5)
         split.setStretchFactor(1, 4)
         outer.addWidget(split, 1)
@@ -394,35 +294,7 @@ class LauncherWindow(QWidget):
         return v
 
     def _show(self, v: Validation) -> None:
-        c = theme.colors()
-        colours = {"ok": c["ok"], "info": c["info"], "warning": c["warning"], "error": c["error"]}
-        order = {"error": 0, "warning": 1, "info": 2, "ok": 3}
-        checks = sorted(v.checks, key=lambda k: order[k.level])
-        if self.load_error:
-            checks.insert(0, Check("error", "load", self.load_error))
-        parts = []
-        for k in checks:
-            remedy = (f'<div style="color:{c["muted"]};margin-left:22px">→ {html.escape(k.remedy)}</div>'
-                      if k.remedy and k.level != "ok" else "")
-            parts.append(f'<div style="margin-bottom:8px"><span style="color:{colours[k.level]};font-weight:600">'
-                         f'{ICONS[k.level]}</span>&nbsp; <b>{AREA_TITLES.get(k.area, k.area)}:</b> '
-                         f'{html.escape(k.message)}{remedy}</div>')
-        self.checks_label.setText("".join(parts))
-        mem = v.memory
-        self.memory_bar.set_estimate(mem)
-        if mem is None:
-            self.memory_legend.setText(f'<span style="color:{c["muted"]}">Shown once the model and the settings '
-                                       f'are valid.</span>')
-        else:
-            where = "VRAM" if mem.device == "cuda" else "RAM"
-            items = [(name, size, color) for name, size, color in self.memory_bar.segments()]
-            legend = " &nbsp; ".join(f'<span style="color:{color}">■</span>&nbsp;{name.replace(" ", "&nbsp;")}'
-                                     f'&nbsp;{size / MIB:,.0f}&nbsp;MiB'
-                                     for name, size, color in items if size or name != "headroom")
-            self.memory_legend.setText(f"{legend} &nbsp; of&nbsp;{mem.total / MIB:,.0f}&nbsp;MiB&nbsp;{where}<br>"
-                                       f'<span style="color:{c["muted"]}">KV: {mem.kv_tokens:,} tokens × '
-                                       f'{mem.kv_bytes_per_token / 1024:.1f} KiB ({mem.kv_dtype}); context '
-                                       f'{mem.context:,}; weights {mem.weight_dtype}</span>')
+        self.checks.show_validation(v, self.load_error)
 
     def closeEvent(self, event) -> None:
         handler = getattr(self.controller, "launcher_closing", None)

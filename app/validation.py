@@ -139,11 +139,19 @@ def validate(form: Mapping[str, Any], model: str | None, preset: Preset | None, 
 
     settings = eff.settings
     if settings is not None and info is not None and report is not None:
-        mem = v.memory = estimate(info, settings, report)
-        for message, remedy in mem.problems:
-            v.checks.append(Check("error", "memory", message, remedy))
-        if mem.fits:
-            v.checks.append(Check("ok", "memory", f"Fits: {mem.summary()}."))
+        try:
+            mem = v.memory = estimate(info, settings, report)
+        except ValueError as e:
+            v.checks.append(Check("error", "memory", f"The memory ledger cannot plan this configuration: {e}",
+                                  "Change the setting it names, or pick another model."))
+            mem = None
+        if mem is not None:
+            for level, message, remedy in mem.problems:
+                v.checks.append(Check(level, "memory", message, remedy))
+            for note in mem.notes:
+                v.checks.append(Check("info", "memory", note))
+            if mem.fits:
+                v.checks.append(Check("ok", "memory", f"Fits: {mem.summary()}."))
     if settings is not None and check_port:
         problem = port_check(settings.host, settings.port)
         if problem:

@@ -37,7 +37,7 @@ def test_defaults_can_start(launcher, qtbot):
     assert not checks(w)
     assert any(c.area == "memory" and c.level == "ok" for c in w.validation.checks)
     assert w.memory_bar.estimate is not None and w.memory_bar.estimate.weights > 0
-    assert "weights" in w.memory_legend.text()
+    assert "weights" in w.memory_bar.legend_text() and "RAM" in w.memory_bar.rows[0][0].text()
 
 
 def test_an_error_blocks_start_and_fixing_it_unblocks(launcher, qtbot):

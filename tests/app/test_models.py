@@ -135,7 +135,7 @@ def test_validation_errors_and_memory_estimate():
     v = validate(form, None, None, _Report(), env={}, info=info, check_port=False)
     assert v.ok, v.errors
     mem = v.memory
-    assert mem.weights == info.params * 4  # fp32 on the CPU
+    assert mem.weights == info.shape.stored_bytes  # low-bit GGUF weights run as stored (weight_dtype auto)
     per_token = 2 * info.config.num_layers * info.config.num_kv_heads * info.config.head_dim * 4  # fp32 K and V
     assert mem.kv_bytes_per_token == per_token and mem.kv_tokens == 2048 and mem.kv == 2048 * per_token
 
@@ -148,10 +148,11 @@ def test_validation_errors_and_memory_estimate():
     assert any(c.area == "memory" and "beyond this model" in c.message for c in v.errors)
 
     small = _Report()
-    small.ram_available_mib = 600  # the weights alone (~513 MiB) leave no room for one sequence's KV
+    small.ram_available_mib = 2400  # after runtime, headroom and weights, too little for 8,192 tokens of KV
     form.update(max_context=8192)
     v = validate(form, None, None, small, env={}, info=info, check_port=False)
-    assert any(c.area == "memory" and "KV cache for one conversation" in c.message for c in v.errors)
+    assert any(c.area == "memory" and "--max-context 8,192 does not fit" in c.message and "--kv-dtype" in c.remedy
+               for c in v.errors), v.errors
 
 
 def test_validation_model_env_and_port(tmp_path):

@@ -1,0 +1,63 @@
+"""The launcher's validation panel: the memory ledger's bars and every check (errors first), each problem with its
+remedy. It only shows a ``Validation``; the checks themselves are computed Qt-free in app/validation.py."""
+from __future__ import annotations
+
+import html
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QVBoxLayout
+
+from app import theme
+from app.memory_bar import MemoryBar
+from app.validation import Check, Validation
+
+ICONS = {"ok": "✔", "info": "ℹ", "warning": "⚠", "error": "✖"}
+AREA_TITLES = {"hardware": "Hardware", "model": "Model", "memory": "Memory", "settings": "Settings",
+               "environment": "Environment", "port": "Port", "load": "Loading"}
+ORDER = {"error": 0, "warning": 1, "info": 2, "ok": 3}
+
+
+def checks_html(checks: list[Check]) -> str:
+    c = theme.colors()
+    colours = {"ok": c["ok"], "info": c["info"], "warning": c["warning"], "error": c["error"]}
+    parts = []
+    for k in sorted(checks, key=lambda k: ORDER[k.level]):
+        remedy = (f'<div style="color:{c["muted"]};margin-left:22px">→ {html.escape(k.remedy)}</div>'
+                  if k.remedy and k.level != "ok" else "")
+        parts.append(f'<div style="margin-bottom:8px"><span style="color:{colours[k.level]};font-weight:600">'
+                     f'{ICONS[k.level]}</span>&nbsp; <b>{AREA_TITLES.get(k.area, k.area)}:</b> '
+                     f'{html.escape(k.message)}{remedy}</div>')
+    return "".join(parts)
+
+
+class ChecksPanel(QFrame):
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setObjectName("Card")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(14, 12, 14, 12)
+        section = QLabel("Checks")
+        section.setObjectName("Section")
+        layout.addWidget(section)
+        title = QLabel("Memory ledger")
+        title.setObjectName("Muted")
+        layout.addWidget(title)
+        self.memory_bar = MemoryBar()
+        layout.addWidget(self.memory_bar)
+        self.checks_label = QLabel()
+        self.checks_label.setWordWrap(True)
+        self.checks_label.setTextFormat(Qt.TextFormat.RichText)
+        self.checks_label.setAlignment(Qt.AlignmentFlag.AlignTop)
+        self.checks_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        scroll = QScrollArea()
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setWidget(self.checks_label)
+        layout.addWidget(scroll, 1)
+
+    def show_validation(self, v: Validation, load_error: str | None = None) -> None:
+        checks = list(v.checks)
+        if load_error:
+            checks.insert(0, Check("error", "load", load_error))
+        self.checks_label.setText(checks_html(checks))
+        self.memory_bar.set_estimate(v.memory)
