@@ -17,6 +17,7 @@ from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, TokenLogprob
+from engine.spec import Speculator, verify
 from engine.stream import RequestStream
 
 log = logging.getLogger("ninfer.engine")
@@ -38,7 +39,8 @@ class QueueFullError(NInferError):
 
 class Engine:
     def __init__(self, runner: ModelRunner, *, max_concurrency: int, prefill_chunk: int, max_context: int,
-                 eos_ids: frozenset[int] = frozenset(), max_queue: int = 64, max_shared_prefixes: int | str = 0):
+                 eos_ids: frozenset[int] = frozenset(), max_queue: int = 64, max_shared_prefixes: int | str = 0,
+                 speculator: Speculator | None = None):
         self.runner = runner
         self.pool = runner.pool
         # cached prompt prefixes, shared by later requests (0: none; build_engine and the server default to auto);
@@ -48,6 +50,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk, self.prefix)
         self.max_context = max_context
         self.eos_ids = eos_ids
+        self.speculator = speculator  # speculative decoding (engine.spec), or None
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
@@ -103,7 +106,8 @@ class Engine:
         # pages_free counts idle cached pages too (any allocation may evict them); pages_cached is that part
         return dict(self.counters, running=len(s.running), waiting=len(s.waiting), preemptions=s.preemptions,
                     pages_total=self.pool.num_pages, pages_free=self.pool.num_free, page_size=self.pool.page_size,
-                    pages_cached=self.pool.num_cached, **s.prefix_stats())
+                    pages_cached=self.pool.num_cached, **s.prefix_stats(),
+                    **(self.speculator.stats() if self.speculator is not None else {}))
 
     # ---- the engine thread ----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -147,73 +151,99 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return
+        drafts = {}
+        if self.speculator is not None:
+            decoding = [seq for seq, n in plan if n == 1 and seq.num_computed == len(seq.tokens) - 1]
+            drafts = self.speculator.draft(decoding, self.pool)
         works = []
         for seq, n in plan:
             start = seq.num_computed
+            if seq.request_id in drafts:
+                works.append(Work([seq.tokens[-1], *drafts[seq.request_id]], start, seq.pages, "all"))
+                continue
             done = start + n == len(seq.tokens)
             works.append(Work(seq.tokens[start:start + n], start, seq.pages, "last" if done else None))
         t0 = time.perf_counter()
         logits = self.runner.run(works)
-        self._account(plan, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        prefill = decode = 0
         for (seq, n), rows in zip(plan, logits):
-            seq.num_computed += n
-            self.scheduler.computed(seq)
+            if rows is None or n > 1:
+                prefill += n
             if rows is None:
+                seq.num_computed += n
+                self.scheduler.computed(seq)
                 continue
+            draft = drafts.get(seq.request_id, [])
             try:
-                token, logprobs = self._sample(seq, rows[-1])
+                emitted = self._choose(seq, rows if draft else rows[-1:], draft)
             except ConstraintError as e:
                 self._end(seq, "error", str(e))
                 self.counters["errors"] += 1
                 continue
-            first = not seq.output
+            seq.num_computed += n + len(emitted) - 1  # the KV of the accepted drafts is kept
+            self.scheduler.computed(seq)
+            decode += len(emitted) if n == 1 else len(emitted) - 1
+            self._emit(seq, emitted, draft)
+        self._account(prefill, decode, seconds)
+
+    def _choose(self, seq: Sequence, rows: torch.Tensor, draft: list[int]) -> list[tuple[int, torch.Tensor]]:
+        """The tokens this step adds: one sampled from the last row, or (speculating) the verified drafts plus one;
+        under a constraint, from what its grammar allows (logprobs stay the model's)."""
+        p = seq.params
+        if not draft and p.constraint is None:
+            return [sample_token(rows[-1], p, seq.prompt, seq.output, seq.generator)]
+        return verify(rows, draft, p, seq.prompt, seq.output, seq.generator, p.constraint)
+
+    def _emit(self, seq: Sequence, emitted: list[tuple[int, torch.Tensor]], draft: list[int]) -> None:
+        first = not seq.output
+        tokens, logprobs = [], []
+        for token, row in emitted:
             seq.append(token)
+            tokens.append(token)
+            if seq.params.logprobs is not None:
+                logprobs.append(_token_logprob(token, row, seq.params.logprobs))
             if seq.params.constraint is not None and seq.params.constraint.finished:
                 seq.finish_reason = "stop"  # the grammar is complete (also when this token reached max_tokens)
-            if first:
-                for callback in self.on_first_token:
-                    callback(seq.first_token_at - seq.arrival)
-            out = RequestOutput(seq.request_id, [token], prompt_tokens=len(seq.prompt),
-                                completion_tokens=len(seq.output))
-            if seq.params.logprobs is not None:
-                out.logprobs = [_token_logprob(token, logprobs, seq.params.logprobs)]
             if seq.finish_reason:
-                self.scheduler.finish(seq, seq.finish_reason)
-                out.finished, out.finish_reason = True, seq.finish_reason
-                self._release(seq)
-                self.counters["finished"] += 1
-            seq.sink(out)
+                break
+        if draft:
+            self.speculator.verified(seq, len(draft), len(emitted) - 1, self.pool)
+        if first:
+            for callback in self.on_first_token:
+                callback(seq.first_token_at - seq.arrival)
+        out = RequestOutput(seq.request_id, tokens, prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output),
+                            logprobs=logprobs if seq.params.logprobs is not None else None)
+        if seq.spec is not None:
+            out.spec_drafted, out.spec_accepted = seq.spec.drafted, seq.spec.accepted
+        if seq.finish_reason:
+            self._finish(seq, seq.finish_reason)
+            out.finished, out.finish_reason = True, seq.finish_reason
+            self.counters["finished"] += 1
+        seq.sink(out)
 
-    @staticmethod
-    def _sample(seq: Sequence, row) -> tuple[int, torch.Tensor]:
-        """The next token; under a constraint, from the tokens its grammar allows (logprobs stay the model's)."""
-        constraint = seq.params.constraint
-        if constraint is None:
-            return sample_token(row, seq.params, seq.prompt, seq.output, seq.generator)
-        token, logprobs = sample_token(constraint.apply(row), seq.params, seq.prompt, seq.output, seq.generator)
-        if seq.params.logprobs is not None:
-            logprobs = torch.log_softmax(row.float(), -1)
-        constraint.accept(token)
-        return token, logprobs
-
-    def _account(self, plan, seconds: float) -> None:
+    def _account(self, prefill: int, decode: int, seconds: float) -> None:
         c = self.counters
         c["steps"] += 1
-        prefill = sum(n for _, n in plan if n > 1)
-        decode = sum(1 for _, n in plan if n == 1)
         c["prefill_tokens"] += prefill
         c["decode_tokens"] += decode
         total = prefill + decode
-        c["prefill_seconds"] += seconds * prefill / total
-        c["decode_seconds"] += seconds * decode / total
+        if total:
+            c["prefill_seconds"] += seconds * prefill / total
+            c["decode_seconds"] += seconds * decode / total
 
     def _release(self, seq: Sequence) -> None:
         if self._streams.pop(seq.request_id, None) is not None:
             self._admitted.release()
 
-    def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if self.speculator is not None:
+            self.speculator.release(seq)
         self._release(seq)
+
+    def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self._finish(seq, reason)
         seq.sink(RequestOutput(seq.request_id, [], True, reason, len(seq.prompt), len(seq.output), error=error))
 
     def _fail_all(self, message: str, reason: str = "error") -> None:

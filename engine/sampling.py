@@ -91,13 +91,20 @@ def filter_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return logits
 
 
+def target_distribution(logits: torch.Tensor, p: SamplingParams, prompt: list[int],
+                        output: list[int]) -> torch.Tensor:
+    """What sampling draws the next token from, for one row of logits [V]: the probabilities after penalties and
+    filters, or (greedy) the penalized logits, whose argmax is the token."""
+    logits = apply_penalties(logits.float().clone(), p, prompt, output)
+    return logits if p.greedy else filter_logits(logits, p).softmax(-1)
+
+
 def sample_token(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int],
                  generator: torch.Generator) -> tuple[int, torch.Tensor]:
     """One token from one row of logits [V]; also returns the model's log-probabilities (before filtering)."""
     logprobs = torch.log_softmax(logits.float(), -1) if p.logprobs is not None else logits
-    logits = apply_penalties(logits.float().clone(), p, prompt, output)
+    target = target_distribution(logits, p, prompt, output)
     if p.greedy:
-        return int(torch.argmax(logits)), logprobs
-    probs = filter_logits(logits, p).softmax(-1)
-    token = torch.multinomial(probs.cpu(), 1, generator=generator)
+        return int(torch.argmax(target)), logprobs
+    token = torch.multinomial(target.cpu(), 1, generator=generator)
     return int(token), logprobs

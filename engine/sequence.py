@@ -35,6 +35,8 @@ class RequestOutput:
     completion_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    spec_drafted: int = 0  # speculative decoding, so far for this request: tokens drafted, and accepted
+    spec_accepted: int = 0
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     generator: torch.Generator = field(init=False)
+    spec: object | None = None  # engine.spec.speculator.SpecState while speculative decoding runs
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
