@@ -5,25 +5,35 @@ Merge order in the app: defaults < preset < the form < ``NINFER_*`` environment.
 that differ from the preset (or default), so a problem keeps naming where its value came from (``preset:12gb-mtp``,
 ``app`` for the form, ``env:NINFER_PORT``). Environment variables win over the form, as they win over a config file
 for ``ninfer-serve``; the launcher lists each one that does, so nothing changes silently.
+
+The merge is ``engine.config.load_settings`` itself, through its public interface: the preset is ``--preset``, the
+form is a config file (``--config``, the layer between the preset and the environment; a private temporary file,
+written fresh for each check) and the environment is the environment. Secret values (the API key) never go to that
+file: they join the environment given to load_settings, unless the real environment sets them already.
 """
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import os
 import re
+import shutil
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-# The same machinery as load_settings (layers, coercion, checks, availability, combinations), so the launcher and
+# load_settings itself merges and checks (layers, coercion, availability, combinations), so the launcher and
 # ninfer-serve can never disagree about what is valid.
-from engine.config import BY_ENV, BY_NAME, PRESET_DIR, SETTINGS, ConfigError, Settings
-from engine.config import _env_layer, _mapping_layer, _preset_layer, _resolve
-from engine.settings_table import Setting, show_value
+from engine.config import PRESET_DIR, ConfigError, Settings, load_settings
+from engine.settings_table import SETTINGS, Setting, show_value
 
 from app import paths
 
 FORM_SOURCE = "app"
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
+BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
 # Shown first, open; the rest of each group is under "More".
 MAIN_SETTINGS = ("port", "host", "api_key", "model_id", "device", "weight_dtype", "max_context", "kv_capacity",
                  "kv_dtype", "kv_headroom_mib", "mode", "default_max_tokens", "max_concurrency", "threads")
@@ -154,24 +164,71 @@ def changed_values(form: Mapping[str, Any], preset: Preset | None) -> dict[str, 
     return {k: v for k, v in form.items() if k in BY_NAME and k != "model" and v != base.get(k)}
 
 
+_FORM_DIR: Path | None = None
+
+
+def _form_file(values: Mapping[str, Any]) -> Path:
+    """The form's values as a TOML config file only this user can read (rewritten for each check)."""
+    global _FORM_DIR
+    if _FORM_DIR is None or not _FORM_DIR.is_dir():
+        _FORM_DIR = Path(tempfile.mkdtemp(prefix="ninfer-form-")).resolve()
+        atexit.register(shutil.rmtree, _FORM_DIR, True)
+    path = _FORM_DIR / "form.toml"
+    lines = [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _env_warnings(env: Mapping[str, str]) -> list[str]:
+    """What load_settings says about NINFER_* variables that are not settings (misspellings, with "did you mean")."""
+    unknown = {k: v for k, v in env.items() if k.startswith("NINFER_") and k not in BY_ENV}
+    if not unknown:
+        return []
+    return load_settings([], unknown)[1]
+
+
 def effective(form: Mapping[str, Any], model: str | None, preset: Preset | None,
               env: Mapping[str, str] | None = None) -> Effective:
     """The settings the engine would get: defaults < preset < form changes (+ model) < environment."""
     env = os.environ if env is None else env
-    problems: list[str] = []
-    warnings: list[str] = []
-    layers = []
-    if preset is not None:
-        ref = preset.name if preset.builtin else str(preset.path)
-        layers.append(_preset_layer(ref, PRESET_DIR, problems))
     values = changed_values(form, preset)
     if model:
         values["model"] = model
-    layers.append(_mapping_layer(values, FORM_SOURCE, problems))
-    layers.append(_env_layer(env, warnings))
-    resolved, sources = _resolve(layers, problems)
-    settings = None if problems else Settings(**resolved, sources=sources, preset=preset.ref if preset else None)
-    return Effective(settings, problems, warnings, env_overrides(env))
+    run_env = {k: v for k, v in env.items() if k in BY_ENV}
+    from_form: dict[str, str] = {}  # source text load_settings gives a form value -> "app"
+    plain = {}
+    for name, value in values.items():
+        s = BY_NAME[name]
+        if value is None:
+            continue  # (TOML has no null: an unset value stays as the preset or default has it)
+        if s.secret:
+            if s.env not in run_env:
+                run_env[s.env] = str(value)
+                from_form[f"env:{s.env}"] = FORM_SOURCE
+        else:
+            plain[name] = value
+    argv = ["--preset", preset.ref] if preset is not None else []
+    if plain:
+        path = _form_file(plain)
+        argv += ["--config", str(path)]
+        from_form[f"config:{path}"] = FORM_SOURCE
+    try:
+        settings, _ = load_settings(argv, run_env, preset_dir=PRESET_DIR)
+        problems: list[str] = []
+    except ConfigError as e:
+        settings, problems = None, [_rename(p, from_form) for p in e.problems]
+    if settings is not None:
+        sources = {k: from_form.get(v, v) for k, v in settings.sources.items()}
+        settings = dataclasses.replace(settings, sources=sources, config=None)
+    return Effective(settings, problems, _env_warnings(env), env_overrides(env))
+
+
+def _rename(problem: str, sources: Mapping[str, str]) -> str:
+    for old, new in sources.items():
+        problem = problem.replace(old, new)
+    return problem
 
 
 def settings_or_raise(form: Mapping[str, Any], model: str | None, preset: Preset | None,
