@@ -1,4 +1,5 @@
-"""The chat: a conversation list (SQLite) and a transcript streamed over the HTTP API, like any client.
+"""The chat: a transcript streamed over the HTTP API, like any client (the conversation list is app/conversations.py,
+the transcript's HTML app/transcript.py).
 
 Streaming runs as an asyncio task on the qasync loop (httpx), never on the GUI thread's time: tokens only mark the
 transcript dirty, and a timer repaints it a few times a second. Stop cancels the task, which closes the connection,
@@ -7,133 +8,23 @@ which aborts the request in the engine. Each answer records its tokens, time to 
 from __future__ import annotations
 
 import asyncio
-import html
 import time
 from contextlib import aclosing
 
 import httpx
 from PySide6.QtCore import Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeyEvent
-from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QInputDialog, QLabel, QLineEdit, QListWidget,
-                               QListWidgetItem, QMenu, QMessageBox, QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser,
+from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser,
                                QToolButton, QVBoxLayout, QWidget)
 
-from app import render, theme
+from app import theme
 from app.asyncutil import spawn
 from app.client import ApiError
 from app.store import Conversation, ConversationStore, Message
+from app.transcript import sampling_text, transcript_html
 
 REPAINT_MS = 200  # at most five repaints a second while tokens stream
 NEW_TITLE = "New chat"
-
-
-def sampling_text(sampling: dict | None) -> str:
-    if not sampling:
-        return ""
-    names = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
-             ("presence_penalty", "presence"), ("frequency_penalty", "frequency"))
-    parts = []
-    for key, label in names:
-        value = sampling.get(key)
-        if value is None or (key in ("min_p", "frequency_penalty") and not value):
-            continue
-        parts.append(f"{label} {value:g}" if isinstance(value, (int, float)) else f"{label} {value}")
-    return " · ".join(parts)
-
-
-class ConversationList(QWidget):
-    """Search, list (newest first), new, rename, delete."""
-
-    selected = Signal(int)
-    new_requested = Signal()
-
-    def __init__(self, store: ConversationStore, parent=None):
-        super().__init__(parent)
-        self.store = store
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(0, 0, 0, 0)
-        self.new_button = QPushButton("+  New chat")
-        self.new_button.setObjectName("Primary")
-        self.new_button.clicked.connect(self.new_requested)
-        layout.addWidget(self.new_button)
-        self.search = QLineEdit()
-        self.search.setPlaceholderText("Search conversations…")
-        self.search.setClearButtonEnabled(True)
-        self.search.textChanged.connect(lambda: self.refresh(self.current_id()))
-        layout.addWidget(self.search)
-        self.list = QListWidget()
-        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
-        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
-        self.list.customContextMenuRequested.connect(self._menu)
-        self.list.currentItemChanged.connect(self._current_changed)
-        self.list.itemDoubleClicked.connect(lambda item: self.rename(item.data(Qt.ItemDataRole.UserRole)))
-        layout.addWidget(self.list, 1)
-        row = QHBoxLayout()
-        rename = QPushButton("Rename")
-        rename.clicked.connect(lambda: self.rename(self.current_id()))
-        delete = QPushButton("Delete")
-        delete.setObjectName("Danger")
-        delete.clicked.connect(lambda: self.delete(self.current_id()))
-        row.addWidget(rename)
-        row.addWidget(delete)
-        layout.addLayout(row)
-        self.confirm_delete = lambda title: QMessageBox.question(
-            self, "Delete conversation", f"Delete “{title}”? This cannot be undone.") == QMessageBox.StandardButton.Yes
-        self.ask_title = lambda title: QInputDialog.getText(self, "Rename conversation", "Title:", text=title)
-
-    def current_id(self) -> int | None:
-        item = self.list.currentItem()
-        return item.data(Qt.ItemDataRole.UserRole) if item else None
-
-    def refresh(self, select: int | None = None) -> None:
-        self.list.blockSignals(True)
-        self.list.clear()
-        for conv in self.store.list(self.search.text()):
-            item = QListWidgetItem(conv.title)
-            item.setData(Qt.ItemDataRole.UserRole, conv.id)
-            item.setToolTip(conv.title)
-            self.list.addItem(item)
-            if conv.id == select:
-                self.list.setCurrentItem(item)
-        self.list.blockSignals(False)
-
-    def titles(self) -> list[str]:
-        return [self.list.item(i).text() for i in range(self.list.count())]
-
-    def _current_changed(self, current, _previous) -> None:
-        if current is not None:
-            self.selected.emit(current.data(Qt.ItemDataRole.UserRole))
-
-    def _menu(self, pos) -> None:
-        item = self.list.itemAt(pos)
-        if item is None:
-            return
-        cid = item.data(Qt.ItemDataRole.UserRole)
-        menu = QMenu(self)
-        menu.addAction("Rename…", lambda: self.rename(cid))
-        menu.addAction("Delete", lambda: self.delete(cid))
-        menu.exec(self.list.mapToGlobal(pos))
-
-    def rename(self, cid: int | None) -> None:
-        conv = self.store.get(cid) if cid is not None else None
-        if conv is None:
-            return
-        title, ok = self.ask_title(conv.title)
-        if ok and title.strip():
-            self.store.rename(cid, title)
-            self.refresh(cid)
-
-    def delete(self, cid: int | None) -> None:
-        conv = self.store.get(cid) if cid is not None else None
-        if conv is None or not self.confirm_delete(conv.title):
-            return
-        self.store.delete(cid)
-        self.refresh()
-        if self.list.count():
-            self.list.setCurrentRow(0)
-        else:
-            self.new_requested.emit()
 
 
 class _Input(QPlainTextEdit):
@@ -461,53 +352,7 @@ class ChatPanel(QWidget):
                 self.view.verticalScrollBar().maximum()))
 
     def transcript_html(self) -> str:
-        t = theme.transcript_theme()
-        if not self.messages:
-            tip = ("Ask anything. Answers stream from the model through its OpenAI-compatible API; the same API "
-                   "serves your editor or agent (see the Server tab).")
-            return (f'<div style="color:{t["muted"]};margin:40px 30px;text-align:center">'
-                    f'<p style="font-size:large">Start a conversation</p><p>{html.escape(tip)}</p></div>')
-        last_assistant = max((i for i, m in enumerate(self.messages) if m.role == "assistant"), default=-1)
-        out = [f'<div style="color:{t["text"]}">']
-        for i, m in enumerate(self.messages):
-            out.append(self._message_html(i, m, t, i == last_assistant))
-        out.append("</div>")
-        return "".join(out)
-
-    def _message_html(self, i: int, m: Message, t: dict, last_assistant: bool) -> str:
-        link = f'style="color:{t["accent"]};text-decoration:none"'
-        if m.role == "user":
-            bg, who = t["user_bg"], "You"
-            actions = [f'<a href="ninfer:copy/{i}" {link}>Copy</a>', f'<a href="ninfer:edit/{i}" {link}>Edit</a>']
-        else:
-            bg, who = t["assistant_bg"], "Assistant"
-            actions = [f'<a href="ninfer:copy/{i}" {link}>Copy</a>']
-            if last_assistant and m is not self.streaming:
-                actions.append(f'<a href="ninfer:regen/{i}" {link}>Regenerate</a>')
-        body = []
-        if m.reasoning:
-            shown = m.id in self.expanded
-            arrow = "▾" if shown else "▸"
-            words = len(m.reasoning.split())
-            body.append(f'<p style="margin:2px 0"><a href="ninfer:reasoning/{i}" {link}>{arrow} Reasoning '
-                        f'({words} words)</a></p>')
-            if shown:
-                body.append(f'<table width="100%" cellpadding="6" bgcolor="{t["reasoning_bg"]}"><tr><td '
-                            f'style="color:{t["muted"]}">{render.markdown(m.reasoning, t)}</td></tr></table>')
-        if m.tool_calls:
-            body.append(render.tool_calls_html(m.tool_calls, t))
-        if m is self.streaming:
-            body.append(render.markdown(m.content + "▍", t))  # the cursor follows the text, even inside code
-        elif m.content:
-            body.append(render.markdown(m.content, t))
-        if m.stats.get("error"):
-            body.append(f'<p style="color:{t["error"]}">⚠ {html.escape(m.stats["error"])}</p>')
-        stats = render.stats_text(m.stats) if m.role == "assistant" and m is not self.streaming else ""
-        meta = f'<span style="color:{t["muted"]};font-size:small">&nbsp;&nbsp;{html.escape(stats)}</span>'
-        acts = (f'<p style="margin:4px 0 0 0;font-size:small">{" &nbsp;·&nbsp; ".join(actions)}</p>'
-                if m is not self.streaming else "")
-        return (f'<table width="100%" cellspacing="0" cellpadding="10" style="margin:6px 4px" bgcolor="{bg}">'
-                f'<tr><td><b>{who}</b>{meta}{"".join(body)}{acts}</td></tr></table>')
+        return transcript_html(self.messages, self.streaming, self.expanded, theme.transcript_theme())
 
     def _link(self, url: QUrl) -> None:
         if url.scheme() != "ninfer":

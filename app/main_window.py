@@ -7,7 +7,8 @@ from PySide6.QtWidgets import QLabel, QMainWindow, QSplitter, QTabWidget, QWidge
 
 from app import theme
 from app.asyncutil import spawn
-from app.chat import ChatPanel, ConversationList
+from app.chat import ChatPanel
+from app.conversations import ConversationList
 from app.logs import LogsPanel
 from app.monitor import MonitorPanel
 from app.server_panel import ServerPanel

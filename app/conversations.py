@@ -1,0 +1,104 @@
+"""The conversation list: search (titles and message text), newest first, new, rename, delete. The conversations
+themselves live in SQLite (app/store.py)."""
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtWidgets import (QHBoxLayout, QInputDialog, QLineEdit, QListWidget, QListWidgetItem, QMenu, QMessageBox,
+                               QPushButton, QVBoxLayout, QWidget)
+
+from app.store import ConversationStore
+
+
+class ConversationList(QWidget):
+    """Search, list (newest first), new, rename, delete."""
+
+    selected = Signal(int)
+    new_requested = Signal()
+
+    def __init__(self, store: ConversationStore, parent=None):
+        super().__init__(parent)
+        self.store = store
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.new_button = QPushButton("+  New chat")
+        self.new_button.setObjectName("Primary")
+        self.new_button.clicked.connect(self.new_requested)
+        layout.addWidget(self.new_button)
+        self.search = QLineEdit()
+        self.search.setPlaceholderText("Search conversations…")
+        self.search.setClearButtonEnabled(True)
+        self.search.textChanged.connect(lambda: self.refresh(self.current_id()))
+        layout.addWidget(self.search)
+        self.list = QListWidget()
+        self.list.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.list.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.list.customContextMenuRequested.connect(self._menu)
+        self.list.currentItemChanged.connect(self._current_changed)
+        self.list.itemDoubleClicked.connect(lambda item: self.rename(item.data(Qt.ItemDataRole.UserRole)))
+        layout.addWidget(self.list, 1)
+        row = QHBoxLayout()
+        rename = QPushButton("Rename")
+        rename.clicked.connect(lambda: self.rename(self.current_id()))
+        delete = QPushButton("Delete")
+        delete.setObjectName("Danger")
+        delete.clicked.connect(lambda: self.delete(self.current_id()))
+        row.addWidget(rename)
+        row.addWidget(delete)
+        layout.addLayout(row)
+        self.confirm_delete = lambda title: QMessageBox.question(
+            self, "Delete conversation", f"Delete “{title}”? This cannot be undone.") == QMessageBox.StandardButton.Yes
+        self.ask_title = lambda title: QInputDialog.getText(self, "Rename conversation", "Title:", text=title)
+
+    def current_id(self) -> int | None:
+        item = self.list.currentItem()
+        return item.data(Qt.ItemDataRole.UserRole) if item else None
+
+    def refresh(self, select: int | None = None) -> None:
+        self.list.blockSignals(True)
+        self.list.clear()
+        for conv in self.store.list(self.search.text()):
+            item = QListWidgetItem(conv.title)
+            item.setData(Qt.ItemDataRole.UserRole, conv.id)
+            item.setToolTip(conv.title)
+            self.list.addItem(item)
+            if conv.id == select:
+                self.list.setCurrentItem(item)
+        self.list.blockSignals(False)
+
+    def titles(self) -> list[str]:
+        return [self.list.item(i).text() for i in range(self.list.count())]
+
+    def _current_changed(self, current, _previous) -> None:
+        if current is not None:
+            self.selected.emit(current.data(Qt.ItemDataRole.UserRole))
+
+    def _menu(self, pos) -> None:
+        item = self.list.itemAt(pos)
+        if item is None:
+            return
+        cid = item.data(Qt.ItemDataRole.UserRole)
+        menu = QMenu(self)
+        menu.addAction("Rename…", lambda: self.rename(cid))
+        menu.addAction("Delete", lambda: self.delete(cid))
+        menu.exec(self.list.mapToGlobal(pos))
+
+    def rename(self, cid: int | None) -> None:
+        conv = self.store.get(cid) if cid is not None else None
+        if conv is None:
+            return
+        title, ok = self.ask_title(conv.title)
+        if ok and title.strip():
+            self.store.rename(cid, title)
+            self.refresh(cid)
+
+    def delete(self, cid: int | None) -> None:
+        conv = self.store.get(cid) if cid is not None else None
+        if conv is None or not self.confirm_delete(conv.title):
+            return
+        self.store.delete(cid)
+        self.refresh()
+        if self.list.count():
+            self.list.setCurrentRow(0)
+        else:
+            self.new_requested.emit()

@@ -1,0 +1,78 @@
+"""The chat transcript as HTML for a QTextBrowser: one table per message (Qt's rich text has no CSS boxes), markdown
+and code highlighting from app/render.py, actions as ninfer: links; plus the one-line summary of the sampling values
+in force. Qt-free."""
+from __future__ import annotations
+
+import html
+
+from app import render
+from app.store import Message
+
+
+def sampling_text(sampling: dict | None) -> str:
+    if not sampling:
+        return ""
+    names = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("min_p", "min_p"),
+             ("presence_penalty", "presence"), ("frequency_penalty", "frequency"))
+    parts = []
+    for key, label in names:
+        value = sampling.get(key)
+        if value is None or (key in ("min_p", "frequency_penalty") and not value):
+            continue
+        parts.append(f"{label} {value:g}" if isinstance(value, (int, float)) else f"{label} {value}")
+    return " · ".join(parts)
+
+
+def transcript_html(messages: list[Message], streaming: Message | None, expanded: set[int], t: dict) -> str:
+    """``streaming``: the answer being written (shown with a cursor, without actions); ``expanded``: ids of the
+    messages whose reasoning is shown; ``t``: the transcript colours (render.LIGHT / render.DARK)."""
+    if not messages:
+        tip = ("Ask anything. Answers stream from the model through its OpenAI-compatible API; the same API "
+               "serves your editor or agent (see the Server tab).")
+        return (f'<div style="color:{t["muted"]};margin:40px 30px;text-align:center">'
+                f'<p style="font-size:large">Start a conversation</p><p>{html.escape(tip)}</p></div>')
+    last_assistant = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+    out = [f'<div style="color:{t["text"]}">']
+    for i, m in enumerate(messages):
+        out.append(message_html(i, m, t, last_assistant=i == last_assistant, streaming=m is streaming,
+                                expanded=m.id in expanded))
+    out.append("</div>")
+    return "".join(out)
+
+
+def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming: bool, expanded: bool) -> str:
+    """One message as a table: who, its stats, reasoning (collapsed unless ``expanded``), tool calls, the text and
+    its actions (links the chat view handles: ninfer:copy/N, edit/N, regen/N, reasoning/N)."""
+    link = f'style="color:{t["accent"]};text-decoration:none"'
+    if m.role == "user":
+        bg, who = t["user_bg"], "You"
+        actions = [f'<a href="ninfer:copy/{i}" {link}>Copy</a>', f'<a href="ninfer:edit/{i}" {link}>Edit</a>']
+    else:
+        bg, who = t["assistant_bg"], "Assistant"
+        actions = [f'<a href="ninfer:copy/{i}" {link}>Copy</a>']
+        if last_assistant and not streaming:
+            actions.append(f'<a href="ninfer:regen/{i}" {link}>Regenerate</a>')
+    body = []
+    if m.reasoning:
+        shown = expanded
+        arrow = "▾" if shown else "▸"
+        words = len(m.reasoning.split())
+        body.append(f'<p style="margin:2px 0"><a href="ninfer:reasoning/{i}" {link}>{arrow} Reasoning '
+                    f'({words} words)</a></p>')
+        if shown:
+            body.append(f'<table width="100%" cellpadding="6" bgcolor="{t["reasoning_bg"]}"><tr><td '
+                        f'style="color:{t["muted"]}">{render.markdown(m.reasoning, t)}</td></tr></table>')
+    if m.tool_calls:
+        body.append(render.tool_calls_html(m.tool_calls, t))
+    if streaming:
+        body.append(render.markdown(m.content + "▍", t))  # the cursor follows the text, even inside code
+    elif m.content:
+        body.append(render.markdown(m.content, t))
+    if m.stats.get("error"):
+        body.append(f'<p style="color:{t["error"]}">⚠ {html.escape(m.stats["error"])}</p>')
+    stats = render.stats_text(m.stats) if m.role == "assistant" and not streaming else ""
+    meta = f'<span style="color:{t["muted"]};font-size:small">&nbsp;&nbsp;{html.escape(stats)}</span>'
+    acts = (f'<p style="margin:4px 0 0 0;font-size:small">{" &nbsp;·&nbsp; ".join(actions)}</p>'
+            if not streaming else "")
+    return (f'<table width="100%" cellspacing="0" cellpadding="10" style="margin:6px 4px" bgcolor="{bg}">'
+            f'<tr><td><b>{who}</b>{meta}{"".join(body)}{acts}</td></tr></table>')
