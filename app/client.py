@@ -181,7 +181,7 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
 class MetricsReading:
     available: bool
     note: str = ""  # why nothing is available, or which server flavour was read
-    values: dict[str, float | None] = field(default_factory=dict)  # decode_tps, pages_used, pages_free, running, waiting
+    values: dict[str, float | None] = field(default_factory=dict)  # the keys of app.monitor_model.local_values
     time: float = field(default_factory=time.time)
 
 
@@ -207,22 +207,45 @@ def _rate(key: str, value: float | None) -> float | None:
     return (value - previous[1]) / (now - previous[0])
 
 
+def _vllm_prefix_ratio(m: dict) -> float | None:
+    """vLLM's prefix-cache hit ratio: the gauge of older versions, or hits / queries (token counters) of newer ones."""
+    gauge = _first(m, "vllm:gpu_prefix_cache_hit_rate")
+    if gauge is not None:
+        return gauge
+    hits, queries = _first(m, "vllm:prefix_cache_hits_total"), _first(m, "vllm:prefix_cache_queries_total")
+    return hits / queries if hits is not None and queries else None
+
+
 def read_metrics(text: str, server: str = "") -> MetricsReading:
     """The monitor's numbers from a /metrics body: NInfer's own names, else vLLM's or llama.cpp's."""
     m = parse_prometheus(text)
     if "ninfer_engine_attached" in m:
         if not _first(m, "ninfer_engine_attached"):
             return MetricsReading(True, "NInfer: the model is still loading", {})
+        drafted = _first(m, "ninfer_spec_drafted_tokens_total", "ninfer_spec_drafted_total", "ninfer_spec_drafted")
+        accepted = _first(m, "ninfer_spec_accepted_tokens_total", "ninfer_spec_accepted_total",
+                          "ninfer_spec_accepted")
         return MetricsReading(True, "NInfer", {
             "decode_tps": _first(m, "ninfer_decode_tokens_per_second", label=("window", "recent")),
             "pages_used": _first(m, "ninfer_kv_pages_used"), "pages_free": _first(m, "ninfer_kv_pages_free"),
-            "running": _first(m, "ninfer_requests_running"), "waiting": _first(m, "ninfer_requests_waiting")})
+            "running": _first(m, "ninfer_requests_running"), "waiting": _first(m, "ninfer_requests_waiting"),
+            "prefix_hit_ratio": _first(m, "ninfer_prefix_hit_ratio"),
+            "prefix_cached_pages": _first(m, "ninfer_prefix_cached_pages"),
+            "host_pages_used": _first(m, "ninfer_kv_host_pages_used"),
+            "host_pages_free": _first(m, "ninfer_kv_host_pages_free"),
+            "retrieved_pps": _rate(server + "ninfer_retrieved", _first(m, "ninfer_kv_retrieved_pages_total",
+                                                                             "ninfer_kv_retrieved_pages")),
+            "spec_drafted": drafted, "spec_accepted": accepted,
+            "spec_acceptance": _first(m, "ninfer_spec_acceptance", "ninfer_spec_acceptance_ratio")})
     if any(k.startswith("vllm:") for k in m):
         usage = _first(m, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
         return MetricsReading(True, "vLLM (KV shown as % used)", {
             "decode_tps": _rate(server + "vllm_gen", _first(m, "vllm:generation_tokens_total")),
             "pages_used": None if usage is None else usage * 100, "pages_free": None if usage is None else 100 - usage * 100,
-            "running": _first(m, "vllm:num_requests_running"), "waiting": _first(m, "vllm:num_requests_waiting")})
+            "running": _first(m, "vllm:num_requests_running"), "waiting": _first(m, "vllm:num_requests_waiting"),
+            "prefix_hit_ratio": _vllm_prefix_ratio(m),
+            "spec_drafted": _first(m, "vllm:spec_decode_num_draft_tokens_total"),
+            "spec_accepted": _first(m, "vllm:spec_decode_num_accepted_tokens_total")})
     if any(k.startswith("llamacpp:") for k in m):
         usage = _first(m, "llamacpp:kv_cache_usage_ratio")
         return MetricsReading(True, "llama.cpp (KV shown as % used)", {

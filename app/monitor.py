@@ -1,8 +1,10 @@
-"""The monitor: decode speed, KV pages and VRAM over the last two minutes, updated about once a second.
+"""The monitor: decode speed, KV pages (GPU, and the host tier when the engine has one), retrieved pages, prefix
+reuse, speculative decoding's acceptance, requests and VRAM; curves over the last two minutes, about once a second.
 
-For the embedded engine it reads ``LocalService.stats()`` (the metrics snapshot: a dict, no HTTP); for a remote server
-it reads that server's ``/metrics`` (NInfer, vLLM or llama.cpp names) and says so when it offers nothing usable. VRAM
-comes from NVML; without an NVIDIA driver the panel says "no NVIDIA GPU".
+For the embedded engine it reads ``LocalService.stats()`` (a dict, no HTTP); for a remote server it reads that
+server's ``/metrics`` (NInfer, vLLM or llama.cpp names) and says so when it offers nothing usable. VRAM comes from
+NVML; without an NVIDIA driver the panel says "no NVIDIA GPU". The numbers and texts are computed Qt-free in
+app/monitor_model.py.
 """
 from __future__ import annotations
 
@@ -15,41 +17,10 @@ from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QVBoxLay
 
 from app import theme
 from app.asyncutil import spawn
+from app.monitor_model import Rates, VramReader, cards, local_values
 
 HISTORY = 120  # samples (seconds)
 INTERVAL_MS = 1000
-RATE_WINDOW = 5  # samples the local decode rate is averaged over (a single second is too jumpy on a slow machine)
-
-
-class VramReader:
-    """Used and total VRAM of GPU 0 through NVML; ``note`` says why there is none."""
-
-    def __init__(self):
-        self.handle = None
-        self.name = ""
-        self.note = ""
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            if pynvml.nvmlDeviceGetCount() < 1:
-                self.note = "no NVIDIA GPU"
-                return
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-            name = pynvml.nvmlDeviceGetName(self.handle)
-            self.name = name.decode() if isinstance(name, bytes) else str(name)
-            self._nvml = pynvml
-        except Exception as e:  # ImportError, NVMLError (no driver, no GPU)
-            self.note = f"no NVIDIA GPU ({str(e) or type(e).__name__})"
-
-    def read(self) -> tuple[float, float] | None:
-        if self.handle is None:
-            return None
-        try:
-            mem = self._nvml.nvmlDeviceGetMemoryInfo(self.handle)
-            return mem.used / 2**20, mem.total / 2**20
-        except Exception as e:
-            self.note = f"NVML error: {e}"
-            return None
 
 
 class _Stat(QFrame):
@@ -85,9 +56,10 @@ class MonitorPanel(QWidget):
         self.last: dict = {}
         self._inflight = False
         self.t0 = time.monotonic()
-        self.series = {k: deque(maxlen=HISTORY) for k in ("decode_tps", "pages_used", "pages_free", "vram_used")}
+        self.series = {k: deque(maxlen=HISTORY) for k in ("decode_tps", "pages_used", "pages_free", "host_pages_used",
+                                                          "vram_used")}
         self.times: deque = deque(maxlen=HISTORY)
-        self.counters: deque = deque(maxlen=RATE_WINDOW + 1)  # (decode tokens, decode engine-seconds)
+        self.rates = Rates()
         self._build()
         self.timer = QTimer(self, interval=INTERVAL_MS)
         self.timer.timeout.connect(self.tick)
@@ -111,13 +83,18 @@ class MonitorPanel(QWidget):
         self.note.setVisible(False)
         layout.addWidget(self.note)
 
-        stats = QHBoxLayout()
+        stats = QGridLayout()
+        stats.setSpacing(8)
         self.stat_tps = _Stat("Decode speed")
-        self.stat_kv = _Stat("KV cache")
+        self.stat_kv = _Stat("KV cache pages")
+        self.stat_prefix = _Stat("Prefix cache hits")
+        self.stat_spec = _Stat("Speculative decoding")
         self.stat_req = _Stat("Requests")
         self.stat_vram = _Stat("VRAM")
-        for w in (self.stat_tps, self.stat_kv, self.stat_req, self.stat_vram):
-            stats.addWidget(w)
+        self.stat_cards = {"decode": self.stat_tps, "kv": self.stat_kv, "prefix": self.stat_prefix,
+                           "spec": self.stat_spec, "requests": self.stat_req, "vram": self.stat_vram}
+        for i, w in enumerate(self.stat_cards.values()):
+            stats.addWidget(w, i // 3, i % 3)
         layout.addLayout(stats)
 
         grid = QGridLayout()
@@ -127,6 +104,7 @@ class MonitorPanel(QWidget):
         self.curve_tps = self.plot_tps.plot(pen=pg.mkPen(c["series1"], width=2), name="tok/s")
         self.curve_used = self.plot_kv.plot(pen=pg.mkPen(c["series1"], width=2), name="used")
         self.curve_free = self.plot_kv.plot(pen=pg.mkPen(c["series2"], width=2), name="free")
+        self.curve_host = None  # "host used", added once the engine reports a host tier
         self.curve_vram = self.plot_vram.plot(pen=pg.mkPen(c["series3"], width=2), name="used")
         grid.addWidget(self.plot_tps, 0, 0)
         grid.addWidget(self.plot_kv, 0, 1)
@@ -149,8 +127,9 @@ class MonitorPanel(QWidget):
                 axis.setTextPen(pg.mkPen(c["plot_fg"]))
             plot.setTitle(plot.plotItem.titleLabel.text, size="10pt", color=c["plot_fg"])
         for curve, key in ((self.curve_tps, "series1"), (self.curve_used, "series1"), (self.curve_free, "series2"),
-                           (self.curve_vram, "series3")):
-            curve.setPen(pg.mkPen(c[key], width=2))
+                           (self.curve_vram, "series3"), (self.curve_host, "series5")):
+            if curve is not None:
+                curve.setPen(pg.mkPen(c[key], width=2))
 
     def _plot(self, title: str) -> pg.PlotWidget:
         w = pg.PlotWidget()
@@ -176,26 +155,10 @@ class MonitorPanel(QWidget):
             self.push({}, "no engine running", available=False)
             return
         s = service.stats()
-        ttft = (s.get("ttft_seconds") or {}).get("p50")
-        values = {"decode_tps": self._local_rate(s),
-                  "decode_tps_avg": s.get("decode_tokens_per_second"), "pages_used": s.get("pages_used"),
-                  "pages_free": s.get("pages_free"), "running": s.get("running"), "waiting": s.get("waiting"),
-                  "ttft_p50": ttft, "requests": s.get("http_requests_total")}
+        values = local_values(s, self.rates, time.monotonic())
         status = s.get("status")
         note = "" if status == "ready" else f"engine {status}" + (f": {s.get('error')}" if s.get("error") else "")
         self.push(values, f"this computer's engine · {s.get('device') or ''} · {s.get('url')}", note=note)
-
-    def _local_rate(self, s: dict) -> float | None:
-        """Decode tokens per engine-second over the last few seconds (0 while idle)."""
-        tokens, seconds = s.get("decode_tokens"), s.get("decode_seconds")
-        if tokens is None or seconds is None:
-            self.counters.clear()
-            return None
-        if self.counters and tokens < self.counters[-1][0]:  # a new engine: start over
-            self.counters.clear()
-        self.counters.append((tokens, seconds))
-        t0, s0 = self.counters[0]
-        return (tokens - t0) / (seconds - s0) if tokens > t0 and seconds > s0 else 0.0
 
     async def _remote_tick(self) -> None:
         try:
@@ -228,29 +191,15 @@ class MonitorPanel(QWidget):
         self.curve_tps.setData(xs, list(self.series["decode_tps"]), connect="finite")
         self.curve_used.setData(xs, list(self.series["pages_used"]), connect="finite")
         self.curve_free.setData(xs, list(self.series["pages_free"]), connect="finite")
+        if self.curve_host is None and isinstance(values.get("host_pages_used"), (int, float)):
+            self.curve_host = self.plot_kv.plot(pen=pg.mkPen(theme.colors()["series5"], width=2), name="host used")
+        if self.curve_host is not None:
+            self.curve_host.setData(xs, list(self.series["host_pages_used"]), connect="finite")
         if vram is not None:
             self.curve_vram.setData(xs, list(self.series["vram_used"]), connect="finite")
         self._numbers(values, available)
         self.updated.emit(values)
 
     def _numbers(self, v: dict, available: bool) -> None:
-        def num(x, fmt):
-            return fmt.format(x) if isinstance(x, (int, float)) else "—"
-        details = []
-        if v.get("decode_tps_avg"):
-            details.append(f"average {v['decode_tps_avg']:.1f} tok/s")
-        if v.get("ttft_p50") is not None:
-            details.append(f"TTFT p50 {v['ttft_p50']:.2f} s")
-        self.stat_tps.set(num(v.get("decode_tps"), "{:.1f} tok/s"), " · ".join(details))
-        used, free = v.get("pages_used"), v.get("pages_free")
-        if isinstance(used, (int, float)) and isinstance(free, (int, float)):
-            self.stat_kv.set(f"{used:.0f} / {used + free:.0f}", "pages used / total")
-        else:
-            self.stat_kv.set("—", "not reported" if available else "")
-        self.stat_req.set(num(v.get("running"), "{:.0f} running"),
-                          num(v.get("waiting"), "{:.0f} waiting") + (f" · {v['requests']} HTTP requests"
-                                                                      if v.get("requests") is not None else ""))
-        if v.get("vram_total"):
-            self.stat_vram.set(f"{v['vram_used']:,.0f} MiB", f"of {v['vram_total']:,.0f} MiB · {self.vram.name}")
-        else:
-            self.stat_vram.set("—", self.vram.note or "no NVIDIA GPU")
+        for key, card in cards(v, available, self.vram.note, self.vram.name).items():
+            self.stat_cards[key].set(card.value, card.detail)

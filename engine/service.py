@@ -130,6 +130,12 @@ class LocalService:
         service's own status, progress, URL and model. Cheap and thread-safe; never raises."""
         snap = self.state.metrics.snapshot()
         loaded = self.state.loaded
+        if loaded is not None:  # keys of Engine.stats() the metrics snapshot does not carry (yet): speculative
+            try:  # decoding, KV tiers, ...
+                for key, value in loaded.engine.stats().items():
+                    snap.setdefault(key, value)
+            except Exception:  # a half-built engine: the snapshot alone
+                log.debug("engine stats unavailable", exc_info=True)
         snap.update(status=self.status, progress=self.progress, message=self.message, error=self.load_error,
                     url=self.url, serving=self.serving, model_ids=self.model_ids, model_path=str(self.model_path),
                     mode=self.state.settings.mode, sampling=dict(self.state.defaults),

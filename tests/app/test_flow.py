@@ -142,6 +142,8 @@ def test_monitor_receives_updates(started):
     assert last["pages_free"] + last["pages_used"] == controller.service.stats()["pages_total"] > 0
     assert last["decode_tps_avg"] > 0  # answers were generated above
     assert "/" in monitor.stat_kv.value.text()
+    assert monitor.stat_prefix.value.text().endswith("%")  # the engine's prefix hit ratio
+    assert monitor.stat_spec.value.text() == "not running"  # started without speculative decoding
     if monitor.vram.handle is None:
         assert "no NVIDIA GPU" in monitor.stat_vram.detail.text() and monitor.vram_missing.isVisibleTo(window)
     assert len(monitor.series["pages_free"]) >= 2

@@ -57,3 +57,30 @@ def test_cancel_a_load_and_the_lan_rule():
 def test_connect_host():
     assert connect_host("0.0.0.0") == "127.0.0.1" and connect_host("::") == "[::1]"
     assert connect_host("127.0.0.1") == "127.0.0.1" and connect_host("::1") == "[::1]"
+
+
+def test_stats_carry_engine_keys_the_snapshot_lacks():
+    """Speculative decoding and KV-tier counters reach the monitor through stats(), whatever the metrics snapshot
+    carries; the snapshot's own keys win."""
+
+    class _Engine:
+        def stats(self):
+            return {"spec_drafted": 12, "spec_acceptance": 0.5, "kv_host_pages_used": 3, "pages_total": 10,
+                    "pages_free": 4, "pages_used": 999}
+
+    class _Loaded:
+        engine = _Engine()
+        device = "cpu"
+        context_window = 512
+        load_seconds = 1.0
+
+    service = LocalService(settings_from_mapping({"port": free_port()}, "app"))
+    stats = service.stats()
+    assert "spec_drafted" not in stats  # nothing loaded: the snapshot alone
+    service.state.loaded = _Loaded()
+    try:
+        stats = service.stats()
+        assert stats["spec_drafted"] == 12 and stats["spec_acceptance"] == 0.5 and stats["kv_host_pages_used"] == 3
+        assert stats["pages_used"] == 10 - 4 and stats["context_window"] == 512  # the snapshot's own count
+    finally:
+        service.state.loaded = None

@@ -1,0 +1,96 @@
+"""The monitor's numbers from a stats dict, before and after the engine reports speculative decoding and a KV host
+tier: acceptance only while drafting runs, host pages and retrieved pages/s only when reported, prefix reuse."""
+from __future__ import annotations
+
+import pytest
+
+from app.client import read_metrics
+from app.monitor_model import Rates, cards, local_values
+
+BASE = {"decode_tokens": 100, "decode_seconds": 2.0, "decode_tokens_per_second": 50.0, "pages_used": 3,
+        "pages_free": 29, "running": 1, "waiting": 0, "http_requests_total": 7, "prefix_hit_ratio": 0.25,
+        "prefix_cached_pages": 4, "ttft_seconds": {"p50": 0.12}}
+SPEC = {"spec_drafted": 200, "spec_accepted": 150, "spec_acceptance": 0.75, "spec_mean_accepted": 2.5}
+TIER = {"kv_host_pages_used": 5, "kv_host_pages_free": 59, "kv_host_pages_total": 64}
+
+
+def test_without_spec_or_host_tier_keys():
+    v = local_values(dict(BASE), Rates(), now=0.0)
+    c = cards(v)
+    assert c["spec"].value == "not running" and c["spec"].detail == "speculative decoding is off"
+    assert c["kv"].value == "3 / 32" and c["kv"].detail == "pages used / total"
+    assert "host" not in c["kv"].detail and "retrieved" not in c["kv"].detail
+    assert c["prefix"].value == "25%" and "4 pages cached" in c["prefix"].detail
+    assert c["requests"].value == "1 running" and "7 HTTP requests" in c["requests"].detail
+    assert "average 50.0 tok/s" in c["decode"].detail and "TTFT p50 0.12 s" in c["decode"].detail
+
+
+def test_acceptance_is_shown_while_speculative_decoding_runs():
+    c = cards(local_values({**BASE, **SPEC}, Rates(), now=0.0))
+    assert c["spec"].value == "75% accepted"
+    assert c["spec"].detail == "200 tokens drafted · 2.50 accepted per step"
+    idle = cards(local_values({**BASE, **SPEC, "spec_drafted": 0, "spec_accepted": 0, "spec_acceptance": 0.0},
+                              Rates(), now=0.0))
+    assert idle["spec"].value == "not running" and idle["spec"].detail == "no draft tokens yet"
+    # a server that reports counts only: acceptance from accepted / drafted
+    counted = cards({"spec_drafted": 40, "spec_accepted": 10})
+    assert counted["spec"].value == "25% accepted"
+
+
+def test_host_pages_and_retrieved_pages_per_second():
+    rates = Rates()
+    local_values({**BASE, **TIER, "kv_retrieved_pages": 10}, rates, now=100.0)
+    v = local_values({**BASE, **TIER, "kv_retrieved_pages": 40, "decode_tokens": 160, "decode_seconds": 3.0},
+                     rates, now=102.0)
+    assert v["retrieved_pps"] == pytest.approx(15.0) and v["decode_tps"] == pytest.approx(60.0)
+    assert v["host_pages_used"] == 5 and v["host_pages_free"] == 59
+    c = cards(v)
+    assert c["kv"].detail == "GPU pages used / total · host 5 / 64 pages · retrieved 15.0 pages/s"
+
+
+def test_remote_metrics_prefix_and_acceptance():
+    ninfer = read_metrics("ninfer_engine_attached 1\nninfer_kv_pages_used 2\nninfer_kv_pages_free 6\n"
+                          "ninfer_prefix_hit_ratio 0.5\n")
+    assert ninfer.values["prefix_hit_ratio"] == 0.5 and cards(ninfer.values)["spec"].value == "not running"
+    vllm = read_metrics("vllm:num_requests_running 2\nvllm:kv_cache_usage_perc 0.5\n"
+                        "vllm:prefix_cache_queries_total 400\nvllm:prefix_cache_hits_total 100\n"
+                        "vllm:spec_decode_num_draft_tokens_total 80\nvllm:spec_decode_num_accepted_tokens_total 60\n")
+    c = cards(vllm.values)
+    assert vllm.values["prefix_hit_ratio"] == 0.25 and c["prefix"].value == "25%"
+    assert c["spec"].value == "75% accepted" and c["spec"].detail.startswith("80 tokens drafted")
+
+
+class _Service:
+    def __init__(self, stats):
+        self._stats = stats
+
+    def stats(self):
+        return dict(self._stats)
+
+
+class _Controller:
+    remote = False
+    client = None
+
+    def __init__(self, stats):
+        self.service = _Service(stats)
+
+
+def test_monitor_panel_shows_a_stats_dict(qapp):
+    from app.monitor import MonitorPanel
+
+    controller = _Controller({**BASE, "status": "ready", "url": "http://127.0.0.1:1/v1", "device": "cpu"})
+    panel = MonitorPanel(controller)
+    panel.timer.stop()
+    try:
+        panel.tick()
+        assert panel.stat_spec.value.text() == "not running" and panel.stat_prefix.value.text() == "25%"
+        assert panel.curve_host is None and panel.stat_kv.value.text() == "3 / 32"
+        controller.service = _Service({**BASE, **SPEC, **TIER, "kv_retrieved_pages": 0, "status": "ready"})
+        panel.tick()
+        assert panel.stat_spec.value.text() == "75% accepted"
+        assert "host 5 / 64 pages" in panel.stat_kv.detail.text()
+        assert panel.curve_host is not None and list(panel.series["host_pages_used"])[-1] == 5
+        assert panel.updates == 2 and panel.last["spec_acceptance"] == 0.75
+    finally:
+        panel.close()
