@@ -112,21 +112,8 @@ def run_app(args: argparse.Namespace, values: dict[str, Any]) -> int:
     loop = qasync.QEventLoop(app)
     asyncio.set_event_loop(loop)
 
-    controller = Controller()
+    controller = open_windows(args, values, Controller())
     theme.follow_system(app, on_change=controller.restyle)
-    launcher = controller.launcher
-    if args.model or args.preset or values:
-        launcher.apply_config({"model": args.model, "preset": args.preset, "values": values})
-    launcher.auto_start = args.start and not args.remote
-    launcher.show()
-    if args.remote:
-        key = args.remote_key
-
-        async def connect():
-            error = await controller.connect_remote(args.remote, key)
-            if error:
-                launcher.status.setText(f"Could not connect to {args.remote}: {error}")
-        spawn(connect(), "connect-remote")
 
     signal.signal(signal.SIGINT, lambda *_: spawn(controller.quit(), "quit"))
     keepalive = QTimer(interval=300)  # lets Python run its signal handlers while Qt waits
@@ -135,6 +122,25 @@ def run_app(args: argparse.Namespace, values: dict[str, Any]) -> int:
     with loop:
         loop.run_forever()
     return 0
+
+
+def open_windows(args: argparse.Namespace, values: dict[str, Any], controller: Any) -> Any:
+    """Shows the launcher with the command line's model, preset and settings; with --start it starts serving as soon
+    as the checks pass, with --remote it connects the chat to that server. Returns the controller."""
+    from app.asyncutil import spawn
+
+    launcher = controller.launcher
+    if args.model or args.preset or values:
+        launcher.apply_config({"model": args.model, "preset": args.preset, "values": values})
+    launcher.auto_start = args.start and not args.remote
+    launcher.show()
+    if args.remote:
+        async def connect():
+            error = await controller.connect_remote(args.remote, args.remote_key)
+            if error:
+                launcher.status.setText(f"Could not connect to {args.remote}: {error}")
+        spawn(connect(), "connect-remote")
+    return controller
 
 
 if __name__ == "__main__":

@@ -205,3 +205,41 @@ def test_closing_the_launcher_with_nothing_running_quits(launcher):
     launcher.close()
     wait_until(lambda: controller.quit_app.calls == calls + 1, timeout=10_000)
     assert controller.quitting and not controller.config.crashed
+
+
+def test_settings_tooltips_come_from_the_schema(launcher):
+    from engine.settings_table import SETTINGS
+    w = launcher
+    for s in SETTINGS:
+        if s.name not in w.form.rows:
+            continue
+        label, editor, _ = w.form.rows[s.name]
+        tip = label.toolTip()
+        assert tip.startswith(s.help) and s.flag in tip and s.env in tip, s.name
+
+
+def test_command_line_start_serves_without_a_click(qapp, qloop, app_home):
+    """`ninfer --model PATH --preset NAME --port N --start`: the form is filled and Start happens by itself."""
+    from engine.model.default import default_model_path
+
+    from app.main import open_windows, parse
+    from tests.app.conftest import free_port
+    port = free_port()
+    model = str(default_model_path())
+    args, values, _ = parse(["--model", model, "--preset", "cpu-default", "--port", str(port), "--start",
+                             "--max-context", "1024"])
+    controller = make_controller(app_home, "cli")
+    handed: list = []
+    controller.start_local = lambda settings, cfg: handed.append((settings, cfg))
+    try:
+        open_windows(args, values, controller)
+        w = controller.launcher
+        assert w.isVisible() and w.auto_start and w.preset.name == "cpu-default"
+        wait_until(lambda: handed, timeout=TIMEOUT)
+        settings, cfg = handed[0]
+        assert settings.port == port and settings.max_context == 1024 and settings.model == model
+        assert settings.device == "cpu" and settings.source("device") == "preset:cpu-default"
+        assert cfg == {"model": model, "preset": "cpu-default", "values": {"port": port, "max_context": 1024}}
+        assert not w.auto_start  # once
+    finally:
+        controller.launcher.hide()
