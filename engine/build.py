@@ -13,6 +13,7 @@ from engine.engine import Engine
 from engine.errors import NInferError
 from engine.kv.cache import PAGE_SIZE, KVCache
 from engine.kv.quant import QUANT_KV_DTYPES
+from engine.kv.window import WindowSpec
 from engine.model.config import ModelConfig
 from engine.model.linear import LOW_BIT, native_format
 from engine.model.llama import LlamaModel
@@ -64,10 +65,12 @@ def pick_kv_dtype(name: str, device: torch.device) -> torch.dtype | str:
 
 
 def kv_pages(capacity: str | int, cfg: ModelConfig, max_context: int, max_concurrency: int,
-             kv_dtype: torch.dtype | str, device: torch.device, headroom_mib: int) -> int:
+             kv_dtype: torch.dtype | str, device: torch.device, headroom_mib: int, window_pages: int = 0) -> int:
     """Pages in the KV pool: an explicit token count, or what memory allows (never more than all sequences at
-    full context need)."""
+    full context need). `window_pages`: the GPU pages of one windowed sequence (0: no window)."""
     pages_per_seq = -(-max_context // PAGE_SIZE)
+    if window_pages:
+        pages_per_seq = min(pages_per_seq, window_pages)
     if capacity != "auto":
         return max(-(-int(capacity) // PAGE_SIZE), 1)
     want = pages_per_seq * max_concurrency
@@ -80,7 +83,8 @@ def kv_pages(capacity: str | int, cfg: ModelConfig, max_context: int, max_concur
     fits = budget // page_bytes
     if fits < pages_per_seq:
         need_mib = pages_per_seq * page_bytes / 2**20
-        raise NInferError(f"The KV cache for one sequence of {max_context} tokens needs {need_mib:.0f} MiB, "
+        what = f"a windowed sequence ({pages_per_seq} pages)" if window_pages else f"one sequence of {max_context} tokens"
+        raise NInferError(f"The KV cache for {what} needs {need_mib:.0f} MiB, "
                           f"but only {max(budget, 0) / 2**20:.0f} MiB are available for it.",
                           "Lower --max-context, or free memory (close other programs), or set --kv-capacity.")
     return int(min(want, fits))
@@ -89,7 +93,9 @@ def kv_pages(capacity: str | int, cfg: ModelConfig, max_context: int, max_concur
 def build_engine(model: str | Path | None = None, *, device: str = "auto", weight_dtype: str = "auto",
                  kv_dtype: str = "auto", max_context: int = 0, kv_capacity: str | int = "auto",
                  kv_headroom_mib: int = 1024, max_concurrency: int = 4, prefill_chunk: int = 512, threads: int = 0,
-                 max_queue: int = 64, max_shared_prefixes: int | str = "auto",
+                 max_queue: int = 64, max_shared_prefixes: int | str = "auto", kv_window: int = 0,
+                 kv_retrieve: int = 0, kv_ring: str = "auto", host_kv_mib: int = 0, host_pageable: bool = False,
+                 allow_lossy_window: bool = False,
                  progress: Progress | None = None, cancel: threading.Event | None = None) -> LoadedEngine:
     import time
 
@@ -115,8 +121,18 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
         raise NInferError(f"--max-context {max_context} is beyond this model's trained context of "
                           f"{cfg.max_position} tokens.", f"Use --max-context {cfg.max_position} or less (0 = the model's).")
     context = max_context or cfg.max_position
-    pages = kv_pages(kv_capacity, cfg, context, max_concurrency, kdtype, dev, kv_headroom_mib)
-    runner = ModelRunner(net, pages, kdtype, PAGE_SIZE)
+    window = WindowSpec(WindowSpec.round(kv_window), WindowSpec.round(kv_retrieve), kv_ring, prefill_chunk) \
+        if kv_window and kv_ring != "off" else None
+    pages = kv_pages(kv_capacity, cfg, context, max_concurrency, kdtype, dev, kv_headroom_mib,
+                     window.footprint if window else 0)
+    page_bytes = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kdtype) * PAGE_SIZE
+    host_pages = host_kv_mib * 2**20 // page_bytes
+    if host_kv_mib and not host_pages:
+        raise NInferError(f"--host-kv-mib {host_kv_mib} holds no KV page of this model ({page_bytes / 2**20:.2f} MiB "
+                          f"a page).", f"Raise --host-kv-mib to at least {-(-page_bytes // 2**20)}.")
+    runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not host_pageable)
     engine = Engine(runner, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=context,
-                    eos_ids=tokenizer.eos_token_ids, max_queue=max_queue, max_shared_prefixes=max_shared_prefixes)
+                    eos_ids=tokenizer.eos_token_ids, max_queue=max_queue, max_shared_prefixes=max_shared_prefixes,
+                    kv_window=kv_window, kv_retrieve=kv_retrieve, kv_ring=kv_ring,
+                    allow_lossy_window=allow_lossy_window)
     return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0)

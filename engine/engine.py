@@ -13,6 +13,7 @@ import torch
 from engine.constrain import ConstraintError
 from engine.errors import NInferError
 from engine.kv.prefix import PrefixCache, resolve_max_shared_prefixes
+from engine.kv.window import plan_tiers, tier_stats
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token
 from engine.scheduler import Scheduler
@@ -40,14 +41,19 @@ class QueueFullError(NInferError):
 class Engine:
     def __init__(self, runner: ModelRunner, *, max_concurrency: int, prefill_chunk: int, max_context: int,
                  eos_ids: frozenset[int] = frozenset(), max_queue: int = 64, max_shared_prefixes: int | str = 0,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, kv_window: int = 0, kv_retrieve: int = 0,
+                 kv_ring: str = "auto", allow_lossy_window: bool = False):
         self.runner = runner
         self.pool = runner.pool
         # cached prompt prefixes, shared by later requests (0: none; build_engine and the server default to auto);
         # the cache lives with the pool, i.e. with the model, so a later Engine over the same runner keeps it
         self.prefix = PrefixCache.for_pool(self.pool, resolve_max_shared_prefixes(max_shared_prefixes,
                                                                                   max_concurrency))
-        self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk, self.prefix)
+        # KV tiers: a GPU window + host pages + retrieval (engine/kv/window.py); kv_reach: tokens one sequence may hold
+        self.tiers, self.kv_reach, self._reach_what = plan_tiers(
+            runner, window=kv_window, retrieve=kv_retrieve, ring=kv_ring, chunk=prefill_chunk,
+            allow_lossy=allow_lossy_window, speculative=speculator is not None)
+        self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk, self.prefix, self.tiers)
         self.max_context = max_context
         self.eos_ids = eos_ids
         self.speculator = speculator  # speculative decoding (engine.spec), or None
@@ -79,11 +85,11 @@ class Engine:
         params.validate()
         if not prompt:
             raise NInferError("The prompt is empty.", "Send at least one token of input.")
-        capacity = self.pool.num_pages * self.pool.page_size
+        capacity = self.kv_reach
         if len(prompt) >= self.max_context:
             raise ContextLengthError(len(prompt), self.max_context, "the context length")
         if len(prompt) >= capacity:
-            raise ContextLengthError(len(prompt), capacity, "the KV cache capacity")
+            raise ContextLengthError(len(prompt), capacity, self._reach_what)
         if params.constraint is not None:  # the sequence's own grammar state, from the (untouched) template
             params = dataclasses.replace(params, constraint=params.constraint.fresh())
         if not self._admitted.acquire(blocking=False):
@@ -106,7 +112,7 @@ class Engine:
         # pages_free counts idle cached pages too (any allocation may evict them); pages_cached is that part
         return dict(self.counters, running=len(s.running), waiting=len(s.waiting), preemptions=s.preemptions,
                     pages_total=self.pool.num_pages, pages_free=self.pool.num_free, page_size=self.pool.page_size,
-                    pages_cached=self.pool.num_cached, **s.prefix_stats(),
+                    pages_cached=self.pool.num_cached, **s.prefix_stats(), **tier_stats(self.runner, self.tiers, s),
                     **(self.speculator.stats() if self.speculator is not None else {}))
 
     # ---- the engine thread ----------------------------------------------------------------------------------

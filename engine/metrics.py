@@ -34,7 +34,9 @@ _STAT_DEFAULTS = dict(requests=0, finished=0, aborted=0, errors=0, prefill_token
                       prefill_seconds=0.0, decode_seconds=0.0, steps=0, running=0, waiting=0, preemptions=0,
                       pages_total=0, pages_free=0, page_size=0, pages_cached=0, prefix_hits=0, prefix_hit_tokens=0,
                       prefix_prompt_tokens=0, prefix_hit_ratio=0.0, prefix_cached_pages=0, prefix_chains=0,
-                      prefix_evicted_pages=0)
+                      prefix_evicted_pages=0, kv_host_pages_total=0, kv_host_pages_used=0, kv_host_pages_free=0,
+                      kv_window_tokens=0, kv_retrieve_tokens=0, kv_windowed_sequences=0, kv_evictions=0,
+                      kv_writethrough_pages=0, kv_retrieved_pages=0, kv_retrieved_bytes=0, kv_retrieve_seconds=0.0)
 _RATE_KEYS = ("prefill_tokens", "prefill_seconds", "decode_tokens", "decode_seconds")
 
 
@@ -128,6 +130,7 @@ class Metrics:
         stats["pages_used"] = stats["pages_total"] - stats["pages_free"]
         stats["prefill_tokens_per_second"] = _rate(stats["prefill_tokens"], stats["prefill_seconds"])
         stats["decode_tokens_per_second"] = _rate(stats["decode_tokens"], stats["decode_seconds"])
+        stats["kv_retrieve_mib_per_second"] = _rate(stats["kv_retrieved_bytes"] / 2**20, stats["kv_retrieve_seconds"])
         now = time.monotonic()
         current = {k: stats[k] for k in _RATE_KEYS}
         with self._lock:
@@ -167,7 +170,8 @@ class Metrics:
         snap.update(stats if stats is not None else
                     {k: None for k in (*_STAT_DEFAULTS, "pages_used", "prefill_tokens_per_second",
                                        "decode_tokens_per_second", "prefill_tokens_per_second_recent",
-                                       "decode_tokens_per_second_recent", "recent_window_seconds")})
+                                       "decode_tokens_per_second_recent", "recent_window_seconds",
+                                       "kv_retrieve_mib_per_second")})
         return snap
 
 
@@ -202,6 +206,14 @@ class _EngineCollector:
              "prefix_hit_ratio"),
             ("ninfer_kv_pages_capacity", "KV-cache pages in all (used + free).", "pages_total"),
             ("ninfer_kv_page_size_tokens", "Tokens per KV-cache page.", "page_size"),
+            ("ninfer_kv_host_pages_used", "Host-memory KV pages held by windowed sequences.", "kv_host_pages_used"),
+            ("ninfer_kv_host_pages_free", "Host-memory KV pages free.", "kv_host_pages_free"),
+            ("ninfer_kv_window_tokens", "Recent tokens a windowed sequence keeps on the GPU (0: no window).",
+             "kv_window_tokens"),
+            ("ninfer_kv_windowed_sequences", "Running sequences on the windowed (GPU window + host) path.",
+             "kv_windowed_sequences"),
+            ("ninfer_kv_retrieve_mib_per_second", "Host-to-GPU KV copy speed of retrieval (MiB per second of copying).",
+             "kv_retrieve_mib_per_second"),
         ]
         for name, doc, key in gauges:
             yield GaugeMetricFamily(name, doc, value=stats[key])
@@ -230,6 +242,14 @@ class _EngineCollector:
              "prefix_prompt_tokens"),
             ("ninfer_prefix_evicted_pages", "Cached prefix pages evicted (for room, or beyond --max-shared-prefixes).",
              "prefix_evicted_pages"),
+            ("ninfer_kv_retrieved_pages", "KV pages brought from host memory to the GPU by retrieval (one per layer).",
+             "kv_retrieved_pages"),
+            ("ninfer_kv_retrieved_bytes", "Bytes brought from host memory to the GPU by retrieval.",
+             "kv_retrieved_bytes"),
+            ("ninfer_kv_evictions", "GPU pages dropped from windowed sequences (their host copy stays).",
+             "kv_evictions"),
+            ("ninfer_kv_writethrough_pages", "Full KV pages written through to host memory.",
+             "kv_writethrough_pages"),
         ]
         for name, doc, key in counters:
             yield CounterMetricFamily(name, doc, value=stats[key])

@@ -6,13 +6,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.kv.cache import KVCache
+from engine.kv.host import HostPool
 from engine.kv.pages import PagePool
+from engine.kv.window import TieredPages
 from engine.model.batch import ForwardBatch, SeqSlice
 
 
 @dataclass
 class Work:
-    """Compute `tokens` of one sequence, which start at position `start`; its KV pages are `pages`."""
+    """Compute `tokens` of one sequence, which start at position `start`; its KV pages are `pages` (a page list, or
+    the TieredPages table of a windowed sequence)."""
     tokens: list[int]
     start: int
     pages: list[int]
@@ -20,7 +23,9 @@ class Work:
 
 
 class ModelRunner:
-    def __init__(self, model, num_pages: int, kv_dtype: torch.dtype, page_size: int = 64):
+    def __init__(self, model, num_pages: int, kv_dtype: torch.dtype, page_size: int = 64, host_pages: int = 0,
+                 host_pinned: bool = True):
+        """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA."""
         cfg = model.cfg
         self.model = model
         self.device = model.device
@@ -28,6 +33,7 @@ class ModelRunner:
                           page_size)
         self.pool = PagePool(num_pages, page_size)
         self.page_size = page_size
+        self.host = HostPool(self.kv, host_pages, host_pinned) if host_pages else None
 
     def run(self, works: list[Work]) -> list[torch.Tensor | None]:
         ids, positions, slots, seqs, rows = [], [], [], [], []
@@ -39,9 +45,14 @@ class ModelRunner:
             pos = list(range(w.start, ctx))
             ids.extend(w.tokens)
             positions.extend(pos)
-            slots.extend(w.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
-            pages = torch.tensor(w.pages[: -(-ctx // self.page_size)], dtype=torch.long, device=self.device)
-            seqs.append(SeqSlice(q_start, n, ctx, pages))
+            if isinstance(w.pages, TieredPages):
+                w.pages.prepare(self.kv, w.start, n)
+                slots.extend(w.pages.slot(p) for p in pos)
+                seqs.append(SeqSlice(q_start, n, ctx, None, w.pages))
+            else:
+                slots.extend(w.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
+                pages = torch.tensor(w.pages[: -(-ctx // self.page_size)], dtype=torch.long, device=self.device)
+                seqs.append(SeqSlice(q_start, n, ctx, pages))
             if w.logits == "all":
                 row_spans.append((len(rows), n))
                 rows.extend(range(q_start, q_start + n))

@@ -6,6 +6,7 @@ from collections import deque
 
 from engine.kv.pages import PagePool
 from engine.kv.prefix import PrefixCache
+from engine.kv.window import TieredPages, Tiering
 from engine.sequence import Sequence, Status
 
 log = logging.getLogger("ninfer.scheduler")
@@ -19,10 +20,17 @@ class Scheduler:
 
     With a prefix cache, admission first looks up the longest cached prefix of the sequence's tokens: those pages
     are shared (read-only) and counted as computed, and only the rest is reserved. Idle cached pages count as
-    available, so a request that fits the pool is never held back by cached prefixes: allocation evicts them."""
+    available, so a request that fits the pool is never held back by cached prefixes: allocation evicts them.
 
-    def __init__(self, pool: PagePool, max_concurrency: int, prefill_chunk: int, prefix: PrefixCache | None = None):
+    With KV tiers (engine/kv/window.py), a sequence longer than the window (or every one, with ring on) runs
+    windowed: at admission, or when it outgrows the window while decoding, it takes its fixed GPU footprint and
+    host pages for its whole length, and from then on needs no more GPU pages. Windowed sequences do not take part
+    in prefix reuse."""
+
+    def __init__(self, pool: PagePool, max_concurrency: int, prefill_chunk: int, prefix: PrefixCache | None = None,
+                 tiers: Tiering | None = None):
         self.pool = pool
+        self.tiers = tiers
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
         self.prefix = prefix
@@ -48,8 +56,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.pool.deallocate(seq.pages)
-        seq.pages = []
+        self._release(seq)
         self._readmit.pop(id(seq), None)
         if self.prefix is not None:
             self.prefix.forget(seq)
@@ -58,13 +65,56 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.deallocate(seq.pages)
+        self._release(seq)
         if self.prefix is not None:
             self.prefix.forget(seq)
-        seq.pages, seq.num_computed, seq.status = [], 0, Status.WAITING
+        seq.num_computed, seq.status = 0, Status.WAITING
         self._readmit[id(seq)] = seq
         self.waiting.appendleft(seq)
         self.preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        if isinstance(seq.pages, TieredPages):
+            self.tiers.release(seq.pages)
+        self.pool.deallocate(seq.pages)
+        seq.pages = []
+
+    def _reserve_tokens(self, seq: Sequence) -> int:
+        """Tokens a windowed sequence can reach: its host pages are reserved for all of them up front."""
+        return min(seq.max_context, len(seq.prompt) + seq.params.max_tokens)
+
+    def _admit_windowed(self, seq: Sequence) -> bool:
+        tiers, reserve = self.tiers, self._reserve_tokens(seq)
+        if not tiers.can_open(self.pool.num_free, 0, reserve):
+            return False
+        seq.pages = tiers.open(self.pool.allocate(tiers.spec.footprint), reserve, 0)
+        seq.num_computed = 0
+        self._readmit.pop(id(seq), None)
+        return True
+
+    def _to_window(self, seq: Sequence) -> bool:
+        """A running plain sequence outgrew the window: it becomes windowed, keeping its computed pages (pages the
+        prefix cache knows are copied, since a windowed sequence rewrites its pages). False when it was preempted."""
+        tiers, reserve = self.tiers, self._reserve_tokens(seq)
+        cached = [i for i, p in enumerate(seq.pages) if self.prefix is not None and self.prefix.is_cached(p)]
+        while not tiers.can_open(self.pool.num_free - len(cached), len(seq.pages), reserve):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if self.prefix is not None:
+            self.prefix.forget(seq)
+        fresh = self.pool.allocate(tiers.spec.footprint - len(seq.pages) + len(cached))
+        if cached:
+            old = [seq.pages[i] for i in cached]
+            tiers.gpu.copy_pages(old, fresh[:len(cached)])
+            for i, page in zip(cached, fresh):
+                seq.pages[i] = page
+            self.pool.deallocate(old)
+            fresh = fresh[len(cached):]
+        seq.pages = tiers.open(seq.pages + fresh, reserve, seq.num_computed)
+        log.debug("%s outgrew the KV window at %d tokens: windowed", seq.request_id, len(seq.tokens))
+        return True
 
     def computed(self, seq: Sequence) -> None:
         """Called after a step advanced seq.num_computed: its newly full pages become reusable."""
@@ -82,6 +132,8 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         """Gives the sequence its pages (cached prefix shared, the rest reserved); False when the pool is short."""
+        if self.tiers is not None and self.tiers.spec.windowed(len(seq.tokens) + 1):
+            return self._admit_windowed(seq)
         hits = self.prefix.match(seq.tokens) if self.prefix is not None else []
         shared = [e.page for e in hits]
         need = self.pool.pages_for(len(seq.tokens) + 1) - len(shared)
@@ -111,6 +163,12 @@ class Scheduler:
         plan: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or seq.to_compute != 1:
+                continue
+            if not isinstance(seq.pages, TieredPages) and self.tiers is not None \
+                    and self.tiers.spec.windowed(len(seq.tokens)) and not self._to_window(seq):
+                continue
+            if isinstance(seq.pages, TieredPages):  # its footprint covers every step
+                plan.append((seq, 1))
                 continue
             while not self.pool.grow_to(seq.pages, len(seq.tokens)):
                 victim = self.running[-1]

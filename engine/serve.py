@@ -26,7 +26,10 @@ def engine_kwargs(settings: Settings) -> dict:
                 max_context=settings.max_context, kv_capacity=settings.kv_capacity,
                 kv_headroom_mib=settings.kv_headroom_mib, max_concurrency=settings.max_concurrency,
                 prefill_chunk=settings.prefill_chunk, threads=settings.threads,
-                max_queue=settings.max_queue, max_shared_prefixes=settings.max_shared_prefixes)
+                max_queue=settings.max_queue, max_shared_prefixes=settings.max_shared_prefixes,
+                kv_window=settings.kv_window, kv_retrieve=settings.kv_retrieve, kv_ring=settings.kv_ring,
+                host_kv_mib=settings.host_kv_mib, host_pageable=settings.host_pageable,
+                allow_lossy_window=settings.allow_lossy_window)
 
 
 def load_in_background(state, settings: Settings, on_failure=None) -> threading.Thread:

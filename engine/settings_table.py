@@ -174,20 +174,23 @@ SETTINGS: tuple[Setting, ...] = (
            minimum=0),
         _s("kv_dtype", str, "auto", "Number format of the KV cache; the k/v variants are quantized to save memory.",
            choices=_KV_DTYPES),
-        _s("host_kv_mib", int, 0, "MiB of host (CPU) memory used to extend the KV cache beyond GPU memory.",
-           minimum=0, available=_only(0), needs="host-memory KV " + _KV),
+        _s("host_kv_mib", int, 0, "MiB of host (CPU) memory for KV pages that left the GPU window (ring mode); 0: no host tier.",
+           minimum=0, default_means="no host KV tier"),
         _s("max_shared_prefixes", int, "auto", "How many distinct prompt prefixes stay cached for reuse (least recently used "
            "ones are evicted beyond it, and whenever their memory is needed); 0 turns prefix sharing off.",
            minimum=0, allow_auto=True, default_means="max(max_concurrency, 8)"),
-        _s("kv_window", int, 0, "Tokens of each conversation kept on the GPU; 0 keeps the whole context on the GPU.",
-           minimum=0, available=_only(0), needs="windowed KV " + _KV, default_means="the whole context on the GPU"),
-        _s("kv_retrieve", int, 0, "Tokens of older context fetched back to the GPU per step when a window is used.",
-           minimum=0, available=_only(0), needs="KV retrieval " + _KV, default_means="no retrieval"),
-        _s("kv_ring", str, "auto", "Whether the KV cache may wrap around as a ring when it is smaller than the context.",
-           choices=("auto", "on", "off"), aliases=(("1", "on"), ("0", "off")), available=_only("auto", "off"),
-           needs="ring KV " + _KV),
-        _s("host_pageable", bool, False, "Use ordinary pageable host memory for the host KV instead of pinned memory.",
-           available=_only(False), needs="pageable host KV " + _KV),
+        _s("kv_window", int, 0, "Recent tokens of each conversation kept on the GPU (rounded up to 64-token pages); 0 keeps "
+           "the whole context on the GPU.", minimum=0, default_means="the whole context on the GPU"),
+        _s("kv_retrieve", int, 0, "Tokens of older context (in 64-token pages) brought back from host memory to the GPU "
+           "per layer and step, the pages most relevant to the current token; needs --kv-window.",
+           minimum=0, default_means="no retrieval"),
+        _s("kv_ring", str, "auto", "auto: a conversation that outgrows --kv-window continues windowed, its older pages in "
+           "host memory; on: every conversation runs windowed; off: --kv-window caps each conversation.",
+           choices=("auto", "on", "off"), aliases=(("1", "on"), ("0", "off"))),
+        _s("allow_lossy_window", bool, False, "Accept a KV window without retrieval (--kv-retrieve 0): context older "
+           "than the window is then never attended to again."),
+        _s("host_pageable", bool, False, "Use ordinary pageable host memory for the host KV instead of pinned memory "
+           "(pinned memory makes host-to-GPU copies faster but cannot be swapped out)."),
         _s("kv_reuse_hostbacked", bool, False, "Reuse cached prefixes that were moved to host memory.",
            available=_only(False), needs="host-backed KV reuse " + _KV),
     ),

@@ -20,8 +20,10 @@ class KVCache:
     stored in the Hadamard-rotated basis: `gather` returns it so, and `rotate_queries` brings q into the same basis."""
 
     def __init__(self, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype | str, device: torch.device, page_size: int = PAGE_SIZE):
+                 dtype: torch.dtype | str, device: torch.device, page_size: int = PAGE_SIZE, pin: bool = False):
+        """`pin`: page-locked host memory (for a host tier on a CUDA machine: copies to the GPU can be async)."""
         self.page_size = page_size
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
         self.num_pages = num_pages
         self.format = kv_format(dtype)
         self.kv_dtype = self.format.name
@@ -29,7 +31,7 @@ class KVCache:
         lead = (num_pages, page_size, num_kv_heads)
 
         def alloc(part):
-            tensors = {name: [torch.zeros(lead + (n,), dtype=dt, device=device) for _ in range(num_layers)]
+            tensors = {name: [_zeros(lead + (n,), dt, device, pin) for _ in range(num_layers)]
                        for name, n, dt in quant.part_layout(part, head_dim)}
             return tensors["data"], tensors.get("scale")
 
@@ -98,6 +100,16 @@ class KVCache:
             return x if dtype is None else x.to(dtype)
         return quant.dequantize(rows(data), rows(scale), bits, dtype or torch.float32)
 
+    def gather_keys(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """K of whole pages, [len(pages) * page_size, Hkv, D] float32 (rotated basis for rk*)."""
+        fmt = self.format
+        return self._take(self.k[layer], self.k_scale[layer] if fmt.k.quantized else None, fmt.k.bits, pages,
+                          pages.numel() * self.page_size, torch.float32)
+
+    def layer_tensors(self, layer: int) -> list[torch.Tensor]:
+        """Every tensor of one layer (codes and scales), each indexed by page id first."""
+        return [group[layer] for group in (self.k, self.v, self.k_scale, self.v_scale) if group]
+
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D] in the basis gather's K is in: rotated for the rk* formats, q itself otherwise."""
         return quant.rotate(q) if self.format.k.rotate else q
@@ -110,3 +122,8 @@ class KVCache:
         for group in (self.k, self.v, self.k_scale, self.v_scale):
             for t in group or ():
                 t.index_copy_(0, dst, t.index_select(0, src))
+
+
+def _zeros(shape, dtype, device, pin: bool) -> torch.Tensor:
+    t = torch.zeros(shape, dtype=dtype, device=device)
+    return t.pin_memory() if pin else t

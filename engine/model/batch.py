@@ -11,7 +11,8 @@ class SeqSlice:
     q_start: int  # first row of this sequence in the flat token batch
     q_len: int  # tokens of this sequence computed in this step
     ctx_len: int  # tokens in its KV after this step (earlier context + q_len)
-    pages: torch.Tensor  # page ids covering ctx_len tokens, in order
+    pages: torch.Tensor | None  # page ids covering ctx_len tokens, in order (None for a windowed sequence)
+    tiers: "object | None" = None  # engine.kv.window.TieredPages of a windowed sequence, prepared for this step
 
     def causal_mask(self, device) -> torch.Tensor:
         """[q_len, ctx_len] bool: token i of this step sees the earlier context and tokens up to itself."""

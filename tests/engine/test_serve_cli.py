@@ -45,8 +45,16 @@ def test_unknown_ninfer_variable_warns_with_suggestion(capsys, monkeypatch):
 
 
 def test_unavailable_feature_is_refused_not_ignored(capsys, monkeypatch):
-    code, _, err = run(capsys, ["--print-config"], monkeypatch, {"NINFER_KV_RETRIEVE": "8192"})
+    code, _, err = run(capsys, ["--print-config"], monkeypatch, {"NINFER_KV_REUSE_HOSTBACKED": "1"})
     assert code == 2 and "not available in this version" in err
+
+
+def test_a_window_without_retrieval_from_the_environment_is_refused_not_silent(capsys, monkeypatch):
+    env = {"NINFER_KV_WINDOW": "16384", "NINFER_KV_RING": "1", "NINFER_HOST_KV_MIB": "8192"}
+    code, _, err = run(capsys, ["--print-config"], monkeypatch, env)
+    assert code == 2 and "--kv-retrieve 0 never attends" in err and "NINFER_KV_WINDOW" in err
+    code, out, _ = run(capsys, ["--print-config"], monkeypatch, {**env, "NINFER_KV_RETRIEVE": "8192"})
+    assert code == 0 and "128 pages (8192 tokens) per layer and step" in out
 
 
 def test_corrupt_gguf_fails_the_server_start(capsys, tmp_path, caplog):

@@ -1,0 +1,50 @@
+"""Quest page summaries and top-k page selection.
+
+A page's summary is, per KV head and per channel, the minimum and the maximum of its keys (the keys as stored:
+after RoPE, and in the rotated basis for the rk* formats, so queries must be in the same basis). For a query q,
+sum_i max(q_i * min_i, q_i * max_i) is an upper bound of q . k over every key k of the page; the pages with the
+largest bounds are the ones attention could weigh most, and those are the ones brought back to the GPU.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def page_summary(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [n * page_size, Hkv, D] -> (min, max), each [n, Hkv, D] float32."""
+    k = keys.float().view(-1, page_size, *keys.shape[1:])
+    return k.amin(1), k.amax(1)
+
+
+def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """The Quest bound of every page for every query row and head: q [T, Hq, D], kmin/kmax [N, Hkv, D] ->
+    [N, T, Hkv, G], G = Hq / Hkv query heads per KV head (query head h reads KV head h // G)."""
+    t, hq, d = q.shape
+    hkv = kmin.shape[1]
+    qg = q.float().view(t, hkv, hq // hkv, d)
+    # max(q*min, q*max) per channel: where q >= 0 it is q*max, where q < 0 it is q*min
+    return (torch.einsum("thgd,nhd->nthg", qg.clamp(min=0), kmax)
+            + torch.einsum("thgd,nhd->nthg", qg.clamp(max=0), kmin))
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """One score per page [N] for this step's queries.
+
+    Per query row and head, a page's bound is taken relative to the mean bound over the candidate pages (softmax
+    is shift-invariant within a head, and this removes the offset a query's norm adds to every page). A page's
+    score is the largest over the step's rows (a chunk keeps a page any of its rows needs) and over every query
+    head of every KV head (GQA-aware: a page is fetched for all heads at once)."""
+    bound = page_bounds(q, kmin, kmax)
+    return (bound - bound.mean(0, keepdim=True)).amax(dim=(1, 2, 3))
+
+
+def select_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
+    """Indices (into kmin/kmax's N pages, ascending) of the k pages with the largest scores, and their scores."""
+    n = kmin.shape[0]
+    if k <= 0 or n == 0:
+        return [], []
+    scores = page_scores(q, kmin, kmax)
+    if k >= n:
+        return list(range(n)), scores.tolist()
+    top = torch.topk(scores, k).indices.sort().values
+    return top.tolist(), scores[top].tolist()

@@ -1,0 +1,243 @@
+"""A windowed sequence's tiered page table: attention sink + recent window + retrieved pages on the GPU, every full
+page on the host.
+
+Logical page i of a sequence holds its tokens [64 i, 64 i + 64). A windowed sequence owns a fixed set of GPU pages
+(its footprint, taken from the GPU pool once) and reuses them as a ring:
+
+- page 0, the attention sink, stays on the GPU;
+- the window: the pages holding the last `window` tokens before this step, plus the pages this step writes;
+- staging pages: per layer, the `retrieve` older pages whose Quest bound (engine/kv/summary.py) is largest for
+  this step's queries, copied from the host tier (engine/kv/host.py).
+
+Each page is written through to the host when it is full and computed, so a page leaving the window is simply
+forgotten on the GPU. Keys carry RoPE, so for a decode step the order of pages does not matter; a step of several
+tokens (a prefill chunk, a verification step) sees sink and retrieved pages whole and the window causally.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv.cache import KVCache
+from engine.kv.host import HostPool
+from engine.kv.summary import select_pages
+
+log = logging.getLogger("ninfer.kvmem")
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    window: int  # tokens of recent context kept on the GPU (a multiple of page_size)
+    retrieve: int  # tokens of older context brought back per layer and step (a multiple of page_size)
+    ring: str  # auto: window a sequence when it outgrows the window; on: from its start; off: never
+    chunk: int  # the most tokens one step computes for a sequence (the prefill chunk)
+    page_size: int = 64
+
+    @staticmethod
+    def round(tokens: int, page_size: int = 64) -> int:
+        return -(-tokens // page_size) * page_size
+
+    @property
+    def retrieve_pages(self) -> int:
+        return self.retrieve // self.page_size
+
+    @property
+    def lossy(self) -> bool:
+        """Older context outside the window is never attended to again."""
+        return self.retrieve_pages == 0
+
+    @property
+    def footprint(self) -> int:
+        """GPU pages one windowed sequence owns: sink + window and step pages (+2 for unaligned edges) + staging."""
+        return 1 + -(-(self.window + self.chunk) // self.page_size) + 2 + self.retrieve_pages
+
+    def windowed(self, tokens: int) -> bool:
+        """Whether a sequence of `tokens` tokens (KV included for the next one) runs on the tiered path."""
+        return self.ring == "on" or (self.ring == "auto" and tokens > self.window)
+
+
+class TieredPages(list):
+    """The GPU pages a windowed sequence owns (the list itself, so that releasing it to the GPU pool works like any
+    page list), with the mapping of logical pages to GPU and host pages."""
+
+    def __init__(self, gpu_pages: list[int], spec: WindowSpec, host: HostPool, host_pages: list[int],
+                 resident: dict[int, int] | None = None):
+        super().__init__(gpu_pages)
+        self.spec, self.host = spec, host
+        self.resident = dict(resident or {})  # logical page -> GPU page
+        spare = [p for p in gpu_pages if p not in set(self.resident.values())]
+        r = spec.retrieve_pages
+        self.staging = spare[:r]  # GPU pages that receive retrieved pages, the same ids for every layer
+        self.free = spare[r:]
+        self.host_pages: list[int] = []  # logical page -> host page, for the pages written through
+        self.host_spare = list(host_pages)  # reserved host pages not written yet
+        self.staged = [[-1] * r for _ in range(host.kv.num_layers)]  # per layer and staging slot: logical page
+        self.lo = 0  # first logical page of this step's window (pages 1..lo-1 are on the host only)
+        self.start = 0
+        self.evictions = 0
+
+    @property
+    def all_host_pages(self) -> list[int]:
+        return self.host_pages + self.host_spare
+
+    # ---- before a step ----------------------------------------------------------------------------------------
+    def prepare(self, gpu: KVCache, start: int, n: int) -> None:
+        """Makes tokens [start, start + n) writable and their window resident: writes the full pages before `start`
+        through to the host, drops from the GPU the ones that left the window, maps the pages this step needs."""
+        ps = self.spec.page_size
+        full = start // ps
+        new = list(range(len(self.host_pages), full))
+        if new:
+            if len(new) > len(self.host_spare):
+                raise MemoryError(f"a windowed sequence needs {len(new)} more host KV pages, "
+                                  f"{len(self.host_spare)} reserved")
+            dst = self.host_spare[:len(new)]
+            del self.host_spare[:len(new)]
+            self.host.store(gpu, [self.resident[i] for i in new], dst)
+            self.host_pages.extend(dst)
+        lo = max(0, (start - self.spec.window) // ps)
+        for i in [i for i in self.resident if 0 < i < lo]:
+            self.free.append(self.resident.pop(i))
+            self.evictions += 1
+        for i in range(lo, (start + n - 1) // ps + 1):
+            if i not in self.resident:
+                self.resident[i] = self.free.pop()
+        self.lo, self.start = lo, start
+
+    def slot(self, position: int) -> int:
+        ps = self.spec.page_size
+        return self.resident[position // ps] * ps + position % ps
+
+    # ---- during a layer's attention ---------------------------------------------------------------------------
+    def context(self, gpu: KVCache, layer: int, q: torch.Tensor, ctx: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """K and V [n, Hkv, D] this step attends to for this layer, and the [q_len, n] mask (None: all visible).
+
+        q: this step's queries of the sequence [q_len, Hq, D], in the basis the keys are stored in."""
+        ps, lo, device = self.spec.page_size, self.lo, q.device
+        last = (ctx - 1) // ps
+        if lo <= 1:  # the window reaches back to the sink: one contiguous run of pages
+            lo, head = 0, []
+        else:
+            head = [self.resident[0]] + self._retrieve(gpu, layer, q, lo)
+        window = [self.resident[i] for i in range(lo, last + 1)]
+        pages = torch.tensor(head + window, dtype=torch.long, device=device)
+        length = len(head) * ps + ctx - lo * ps
+        keys, values = gpu.gather(layer, pages, length, dtype)
+        mask = None
+        q_len = q.shape[0]
+        if q_len > 1:
+            rows = torch.arange(q_len, device=device).unsqueeze(1) + (ctx - q_len)
+            cols = torch.arange(length, device=device).unsqueeze(0) - len(head) * ps + lo * ps
+            mask = (cols <= rows) | (torch.arange(length, device=device) < len(head) * ps).unsqueeze(0)
+        return keys, values, mask
+
+    def _retrieve(self, gpu: KVCache, layer: int, q: torch.Tensor, lo: int) -> list[int]:
+        """Selects this layer's pages among 1..lo-1 and makes sure they are staged; returns their GPU pages."""
+        r = self.spec.retrieve_pages
+        if r == 0:
+            return []
+        host_ids = torch.tensor(self.host_pages[1:lo], dtype=torch.long, device=self.host.kmin.device)
+        chosen, scores = select_pages(q, self.host.kmin[layer].index_select(0, host_ids),
+                                      self.host.kmax[layer].index_select(0, host_ids), r)
+        chosen = [c + 1 for c in chosen]  # logical pages
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("kvmem select layer=%d pages=%s scores=[%s]", layer, chosen,
+                      ", ".join(f"{s:.3g}" for s in scores))
+        staged = self.staged[layer]
+        wanted = set(chosen)
+        slots = {page: i for i, page in enumerate(staged) if page in wanted}
+        open_slots = [i for i, page in enumerate(staged) if page not in wanted]
+        missing = [page for page in chosen if page not in slots]
+        for page, i in zip(missing, open_slots):
+            staged[i], slots[page] = page, i
+        self.host.fetch(gpu, layer, [self.host_pages[p] for p in missing],
+                        [self.staging[slots[p]] for p in missing])
+        return [self.staging[slots[p]] for p in chosen]
+
+
+class Tiering:
+    """What the scheduler asks of the tiers: which sequences are windowed, opening and releasing their tables."""
+
+    def __init__(self, spec: WindowSpec, host: HostPool, gpu: KVCache):
+        self.spec, self.host, self.gpu = spec, host, gpu
+        self.evictions = 0  # GPU pages dropped by windowed sequences that have ended
+
+    def host_pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.spec.page_size)
+
+    def can_open(self, gpu_free: int, held: int, reserve_tokens: int) -> bool:
+        return (self.spec.footprint - held <= gpu_free
+                and self.host_pages_for(reserve_tokens) <= self.host.pool.num_free)
+
+    def open(self, gpu_pages: list[int], reserve_tokens: int, computed: int) -> TieredPages:
+        """A tiered table over `gpu_pages` (the footprint: a plain sequence's pages first, their contents kept for
+        the first `computed` tokens) with host pages reserved for `reserve_tokens`."""
+        held = -(-computed // self.spec.page_size)
+        host = self.host.pool.allocate(self.host_pages_for(reserve_tokens))
+        return TieredPages(gpu_pages, self.spec, self.host, host, {i: gpu_pages[i] for i in range(held)})
+
+    def release(self, table: TieredPages) -> None:
+        self.evictions += table.evictions
+        table.evictions = 0
+        self.host.pool.deallocate(table.all_host_pages)
+        table.host_pages, table.host_spare = [], []
+
+
+def plan_tiers(runner, *, window: int, retrieve: int, ring: str, chunk: int, allow_lossy: bool,
+               speculative: bool = False) -> tuple[Tiering | None, int, str]:
+    """The tiers an engine runs with: (Tiering or None, the most tokens one sequence may hold, what limits it).
+    Raises NInferError for a combination that cannot work, naming the remedy."""
+    from engine.errors import NInferError
+
+    pool = runner.pool
+    ps, host = pool.page_size, getattr(runner, "host", None)
+    gpu_reach = pool.num_pages * ps
+    if window <= 0:
+        if retrieve:
+            raise NInferError("--kv-retrieve brings older pages back into a window, but --kv-window is 0.",
+                              "Set --kv-window (e.g. 4096), or set --kv-retrieve 0.")
+        return None, gpu_reach, "the KV cache capacity"
+    window = WindowSpec.round(window, ps)
+    if speculative:  # verification rolls pages back with PagePool.shrink_to, which a tiered table does not support
+        raise NInferError(f"Speculative decoding does not run on a windowed KV cache (--kv-window {window}).",
+                          "Use --spec none, or --kv-window 0.")
+    if ring == "off":
+        return None, min(window, gpu_reach), (f"the KV window (--kv-window {window} with --kv-ring off; "
+                                              f"--kv-ring auto with --host-kv-mib runs longer contexts)")
+    if host is None:
+        raise NInferError(f"--kv-window {window} keeps older pages in host memory, but there is no host KV tier.",
+                          "Set --host-kv-mib (e.g. 4096), or --kv-ring off to cap each sequence at the window.")
+    spec = WindowSpec(window, WindowSpec.round(retrieve, ps), ring, chunk, ps)
+    if spec.lossy and not allow_lossy:
+        raise NInferError(f"--kv-window {window} with --kv-retrieve 0 never attends to context older than the window "
+                          f"again: answers would silently miss it.",
+                          "Set --kv-retrieve (e.g. as large as the window), or pass --allow-lossy-window to accept it.")
+    if spec.footprint > pool.num_pages:
+        raise NInferError(f"A windowed sequence needs {spec.footprint} GPU KV pages (sink 1 + window and step "
+                          f"{spec.footprint - 1 - spec.retrieve_pages} + retrieved {spec.retrieve_pages}), but the "
+                          f"GPU pool has {pool.num_pages}.",
+                          "Raise --kv-capacity, or lower --kv-window, --kv-retrieve or --prefill-chunk.")
+    if spec.lossy:
+        log.warning("KV window %d tokens without retrieval (--allow-lossy-window): context older than the window "
+                    "is dropped from attention (lossy)", window)
+    return Tiering(spec, host, runner.kv), host.num_pages * ps, "the host KV tier (--host-kv-mib)"
+
+
+def tier_stats(runner, tiers: Tiering | None, scheduler) -> dict:
+    """The KV-tier part of Engine.stats(): host pages, retrieval traffic, window and evictions."""
+    host = getattr(runner, "host", None)
+    windowed = [seq.pages for seq in scheduler.running if isinstance(seq.pages, TieredPages)]
+    spec = tiers.spec if tiers is not None else None
+    out = dict(kv_host_pages_total=host.num_pages if host else 0,
+               kv_host_pages_used=host.pool.num_used if host else 0,
+               kv_host_pages_free=host.pool.num_free if host else 0,
+               kv_window_tokens=spec.window if spec else 0, kv_retrieve_tokens=spec.retrieve if spec else 0,
+               kv_ring=spec.ring if spec else "off", kv_lossy=bool(spec and spec.lossy),
+               kv_windowed_sequences=len(windowed),
+               kv_evictions=(tiers.evictions if tiers else 0) + sum(t.evictions for t in windowed))
+    out.update(host.counters if host else dict(kv_writethrough_pages=0, kv_retrieved_pages=0, kv_retrieved_bytes=0,
+                                               kv_retrieve_seconds=0.0))
+    return out
