@@ -22,11 +22,12 @@ def checks_html(checks: list[Check]) -> str:
     colours = {"ok": c["ok"], "info": c["info"], "warning": c["warning"], "error": c["error"]}
     parts = []
     for k in sorted(checks, key=lambda k: ORDER[k.level]):
-        remedy = (f'<div style="color:{c["muted"]};margin-left:22px">→ {html.escape(k.remedy)}</div>'
+        remedy = (f'<br><span style="color:{c["muted"]}">→ {html.escape(k.remedy)}</span>'
                   if k.remedy and k.level != "ok" else "")
-        parts.append(f'<div style="margin-bottom:8px"><span style="color:{colours[k.level]};font-weight:600">'
-                     f'{ICONS[k.level]}</span>&nbsp; <b>{AREA_TITLES.get(k.area, k.area)}:</b> '
-                     f'{html.escape(k.message)}{remedy}</div>')
+        parts.append(f'<table cellspacing="0" cellpadding="0" style="margin-bottom:8px"><tr>'
+                     f'<td width="22" valign="top" style="color:{colours[k.level]};font-weight:600">'
+                     f'{ICONS[k.level]}</td><td valign="top"><b>{AREA_TITLES.get(k.area, k.area)}:</b> '
+                     f'{html.escape(k.message)}{remedy}</td></tr></table>')
     return "".join(parts)
 
 

@@ -202,6 +202,11 @@ class MemoryEstimate:
                            tuple(segments)))
         return out
 
+    def fit_text(self) -> str:
+        """One line for the checks: what is planned against what is free, per device."""
+        return "; ".join(f"{bar.planned / MIB:,.0f} MiB planned of {bar.budget / MIB:,.0f} MiB free {bar.title}"
+                         for bar in self.bars())
+
     def summary(self) -> str:
         return (f"KV {self.kv_tokens:,} tokens × {self.kv_bytes_per_token:,} B ({self.kv_dtype}); weights "
                 f"{self.weight_format}; " + "; ".join(bar.text() for bar in self.bars()))

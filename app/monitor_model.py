@@ -49,8 +49,11 @@ def local_values(s: dict, rates: Rates, now: float) -> dict:
               "pages_used": s.get("pages_used"), "pages_free": s.get("pages_free"), "running": s.get("running"),
               "waiting": s.get("waiting"), "ttft_p50": ttft, "requests": s.get("http_requests_total"),
               "prefix_hit_ratio": s.get("prefix_hit_ratio"), "prefix_cached_pages": s.get("prefix_cached_pages"),
-              "host_pages_used": s.get("kv_host_pages_used"), "host_pages_free": s.get("kv_host_pages_free"),
-              "retrieved_pages": s.get("kv_retrieved_pages"), "retrieved_pps": rates.retrieved_rate(s, now)}
+              "host_pages_used": None, "host_pages_free": None, "retrieved_pages": None, "retrieved_pps": None}
+    host_used, host_free = s.get("kv_host_pages_used"), s.get("kv_host_pages_free")
+    if _is_num(host_used, host_free) and host_used + host_free > 0:  # the engine runs a host tier
+        values.update(host_pages_used=host_used, host_pages_free=host_free,
+                      retrieved_pages=s.get("kv_retrieved_pages"), retrieved_pps=rates.retrieved_rate(s, now))
     for key in ("spec_drafted", "spec_accepted", "spec_acceptance", "spec_mean_accepted"):
         values[key] = s.get(key)
     return values

@@ -14,14 +14,14 @@ LIGHT = {"window": "#f6f7fb", "surface": "#ffffff", "input": "#ffffff", "border"
          "error": "#b42318", "warning": "#b54708", "ok": "#067647", "info": "#175cd3",
          "banner": "#fffaeb", "banner_border": "#fedf89",
          "plot_bg": "#ffffff", "plot_fg": "#475467", "series1": "#4f46e5", "series2": "#12b76a", "series3": "#f79009",
-         "series4": "#c026d3", "series5": "#0284c7", "series6": "#98a2b3"}
+         "series4": "#c026d3", "series5": "#0284c7", "series6": "#475467"}
 DARK = {"window": "#0f1115", "surface": "#171a21", "input": "#1d2129", "border": "#2e3440", "text": "#e6edf3",
         "muted": "#8d96a0", "accent": "#818cf8", "accent_hover": "#a5b4fc", "accent_soft": "#2b2f55",
         "on_accent": "#0f1115", "pressed": "#232833", "disabled": "#5c636e", "disabled_bg": "#2a2f38",
         "error": "#ff7b72", "warning": "#f0b429", "ok": "#3fb950", "info": "#79c0ff",
         "banner": "#2a2313", "banner_border": "#5c4813",
         "plot_bg": "#171a21", "plot_fg": "#aab2bd", "series1": "#818cf8", "series2": "#3fb950", "series3": "#f0b429",
-        "series4": "#e879f9", "series5": "#38bdf8", "series6": "#667085"}
+        "series4": "#e879f9", "series5": "#38bdf8", "series6": "#b9c0ca"}
 
 _current = LIGHT
 

@@ -151,7 +151,7 @@ def validate(form: Mapping[str, Any], model: str | None, preset: Preset | None, 
             for note in mem.notes:
                 v.checks.append(Check("info", "memory", note))
             if mem.fits:
-                v.checks.append(Check("ok", "memory", f"Fits: {mem.summary()}."))
+                v.checks.append(Check("ok", "memory", f"Fits: {mem.fit_text()}."))
     if settings is not None and check_port:
         problem = port_check(settings.host, settings.port)
         if problem:

@@ -14,8 +14,12 @@ SPEC = {"spec_drafted": 200, "spec_accepted": 150, "spec_acceptance": 0.75, "spe
 TIER = {"kv_host_pages_used": 5, "kv_host_pages_free": 59, "kv_host_pages_total": 64}
 
 
-def test_without_spec_or_host_tier_keys():
-    v = local_values(dict(BASE), Rates(), now=0.0)
+@pytest.mark.parametrize("tier", [{}, {"kv_host_pages_used": 0, "kv_host_pages_free": 0, "kv_host_pages_total": 0,
+                                          "kv_retrieved_pages": 0}])
+def test_without_spec_or_host_tier_keys(tier):
+    """Before the keys exist, and with the zeros an engine without a host tier reports."""
+    v = local_values({**BASE, **tier}, Rates(), now=0.0)
+    assert v["host_pages_used"] is None and v["retrieved_pps"] is None
     c = cards(v)
     assert c["spec"].value == "not running" and c["spec"].detail == "speculative decoding is off"
     assert c["kv"].value == "3 / 32" and c["kv"].detail == "pages used / total"
@@ -79,7 +83,8 @@ class _Controller:
 def test_monitor_panel_shows_a_stats_dict(qapp):
     from app.monitor import MonitorPanel
 
-    controller = _Controller({**BASE, "status": "ready", "url": "http://127.0.0.1:1/v1", "device": "cpu"})
+    controller = _Controller({**BASE, "status": "ready", "url": "http://127.0.0.1:1/v1", "device": "cpu",
+                              "kv_host_pages_used": 0, "kv_host_pages_free": 0})
     panel = MonitorPanel(controller)
     panel.timer.stop()
     try:
