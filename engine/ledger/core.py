@@ -263,14 +263,13 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     add("draft_kv", f"draft KV ({pages:,} pages x {draft_page_bytes / MIB:.3f} MiB)", pages * draft_page_bytes)
 
     # -- the host tier
-    host_kv = int(s["host_kv_mib"]) * MIB if on_gpu else 0
-    if not on_gpu and int(s["host_kv_mib"]):
-        notes.append("--host-kv-mib is ignored without a GPU: the whole KV pool is already in RAM.")
+    # without a GPU the host tier is a second pool in RAM beside the device pool (the engine runs the same code)
+    host_kv = int(s["host_kv_mib"]) * MIB
     host_pages = host_kv // page_bytes
     add("host_kv", f"host KV pages ({host_pages:,} x {page_bytes / MIB:.3f} MiB)", host_pages * page_bytes,
         device="host")
     host_other = sum(line.bytes for line in lines if line.device == "host" and line.key != "host_kv")
-    host_kv_max = max(budgets["host"] - host_other, 0) if on_gpu else 0
+    host_kv_max = max(budgets["host"] - host_other, 0)
     hostbacked = bool(s["kv_reuse_hostbacked"])
     # Reach: what one sequence can hold when it has the pools to itself (sequences share them, like engine.build)
     reach_gpu = min(pages * PAGE_SIZE, window) if windowed else pages * PAGE_SIZE

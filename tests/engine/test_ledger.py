@@ -323,6 +323,18 @@ def test_cpu_only_puts_everything_in_ram(smol):
     assert led.reach_tiered_tokens is None
 
 
+def test_cpu_only_host_tier_is_a_second_pool_in_ram(smol):
+    """No GPU, --kv-window with --host-kv-mib: the engine runs the same tiered code with the host tier in RAM, so
+    the ledger counts the host KV line in RAM and extends the reach with it."""
+    led = build_ledger(smol, dict(max_context=8192, max_concurrency=1, kv_window=512, kv_retrieve=512,
+                                  host_kv_mib=256), vram_mib=0, ram_mib=8192)
+    host = led.line("host_kv")
+    assert host is not None and host.device == "host" and led.host_pages == 256 * MIB // led.page_bytes
+    assert host.bytes == led.host_pages * led.page_bytes > 0
+    assert led.reach_tiered_tokens is not None and led.reach_tiered_tokens >= led.host_pages * 64
+    assert not any("ignored" in n for n in led.notes)
+
+
 def test_include_weights_false_plans_on_measured_free_memory(smol):
     """What engine.build needs: free VRAM measured after loading, pages decided, refusal as an NInferError."""
     from engine.errors import NInferError
