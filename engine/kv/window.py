@@ -223,7 +223,9 @@ def plan_tiers(runner, *, window: int, retrieve: int, ring: str, chunk: int, all
     if spec.lossy:
         log.warning("KV window %d tokens without retrieval (--allow-lossy-window): context older than the window "
                     "is dropped from attention (lossy)", window)
-    return Tiering(spec, host, runner.kv), host.num_pages * ps, "the host KV tier (--host-kv-mib)"
+    # a windowed sequence holds all its pages on the host; with ring auto one within the window never needs it
+    reach = host.num_pages * ps if ring == "on" else max(host.num_pages * ps, min(window, gpu_reach))
+    return Tiering(spec, host, runner.kv), reach, "the host KV tier (--host-kv-mib)"
 
 
 def tier_stats(runner, tiers: Tiering | None, scheduler) -> dict:

@@ -248,3 +248,16 @@ def test_metrics_expose_the_kv_tiers(tiny):
         assert name in text, name
     assert "ninfer_kv_host_pages_free 32.0" in text
     assert metrics.snapshot()["kv_retrieved_pages"] == engine.stats()["kv_retrieved_pages"] > 0
+
+
+def test_ninfer_variables_reach_the_engine_kwargs():
+    """The settings the field reports could only set through the environment arrive at build_engine."""
+    from engine.config import load_settings
+    from engine.serve import engine_kwargs
+
+    env = {"NINFER_KV_WINDOW": "16384", "NINFER_KV_RETRIEVE": "8192", "NINFER_KV_RING": "1",
+           "NINFER_HOST_PAGEABLE": "1", "NINFER_HOST_KV_MIB": "8192"}
+    settings, _ = load_settings([], env)
+    kw = engine_kwargs(settings)
+    assert (kw["kv_window"], kw["kv_retrieve"], kw["kv_ring"], kw["host_pageable"], kw["host_kv_mib"],
+            kw["allow_lossy_window"]) == (16384, 8192, "on", True, 8192, False)

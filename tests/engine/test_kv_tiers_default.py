@@ -69,3 +69,18 @@ def test_pass_key_far_outside_the_window_is_found_by_retrieval(default_engine, c
     decode = [line for line in (r.getMessage() for r in caplog.records if r.name == "ninfer.kvmem")][-30 * 5:]
     chosen = [set(map(int, re.search(r"pages=\[([\d, ]*)\]", line).group(1).split(", "))) for line in decode]
     assert sum(bool(c & key_pages) for c in chosen) >= 0.5 * len(chosen)
+
+
+def test_build_engine_sizes_both_tiers_from_the_settings():
+    from engine.build import build_engine
+
+    loaded = build_engine(None, max_context=8192, max_concurrency=2, kv_window=512, kv_retrieve=512,
+                          host_kv_mib=64, kv_capacity="auto", weight_dtype="fp32")
+    engine = loaded.engine
+    page_bytes = engine.runner.kv.page_bytes
+    s = engine.stats()
+    footprint = 1 + (512 + 512) // 64 + 2 + 512 // 64
+    assert s["pages_total"] == 2 * footprint  # auto: max_concurrency windowed footprints, not 2 x 8192 tokens
+    assert s["kv_host_pages_total"] == 64 * 2**20 // page_bytes == s["kv_host_pages_free"]
+    assert engine.kv_reach == s["kv_host_pages_total"] * 64
+    assert (s["kv_window_tokens"], s["kv_retrieve_tokens"], s["kv_lossy"]) == (512, 512, False)
