@@ -261,3 +261,26 @@ def test_ninfer_variables_reach_the_engine_kwargs():
     kw = engine_kwargs(settings)
     assert (kw["kv_window"], kw["kv_retrieve"], kw["kv_ring"], kw["host_pageable"], kw["host_kv_mib"],
             kw["allow_lossy_window"]) == (16384, 8192, "on", True, 8192, False)
+
+
+def test_concurrent_windowed_and_plain_sequences_under_preemption_match_the_full_cache(tiny):
+    """A GPU pool too small for all at once: windowed sequences (22-page footprints) and plain ones compete, get
+    preempted and recomputed; with retrieval covering every older page each output is still the full cache's."""
+    from tests.engine.helpers import run_concurrently
+
+    prompts = [_prompt(n, seed=20 + i) for i, n in enumerate([700, 90, 450, 300, 60, 520])]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (40, 80, 30, 50, 20, 35)]
+    full = _engine(tiny, num_pages=96, concurrency=6)
+    try:
+        expected = [tokens for tokens, _ in run_concurrently(full, prompts, params)]
+    finally:
+        full.shutdown()
+    engine = _engine(tiny, num_pages=30, host_pages=64, kv_window=128, kv_retrieve=1024, chunk=64, concurrency=4)
+    try:
+        got = [tokens for tokens, _ in run_concurrently(engine, prompts, params)]
+        s = wait_idle(engine)
+    finally:
+        engine.shutdown()
+    assert got == expected
+    assert s["preemptions"] > 0 and s["kv_retrieved_pages"] > 0
+    assert s["pages_free"] == 30 and s["kv_host_pages_free"] == 64
