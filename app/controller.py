@@ -21,7 +21,8 @@ from engine.service import CANCELLED, READY, LocalService
 from app import logs
 from app.appconfig import AppConfig
 from app.asyncutil import spawn
-from app.client import ApiClient, ApiError, Endpoint
+from app.backend import BackendMixin
+from app.client import ApiClient, Endpoint
 from app.launcher import LauncherWindow
 from app.qtcompat import guard_none_refcount
 from app.store import ConversationStore
@@ -30,7 +31,7 @@ from app.tray import Tray
 log = logging.getLogger("ninfer.app")
 
 
-class Controller(QObject):
+class Controller(BackendMixin, QObject):
     state_changed = Signal()
     mode_changed = Signal(object, object)  # mode ("chat"/"agent", or None: no mode switch), sampling dict
     ready = Signal()  # the embedded engine is serving and the chat is connected to it
@@ -54,6 +55,8 @@ class Controller(QObject):
         self.mode: str | None = None
         self.sampling: dict | None = None
         self.quitting = False
+        self.starting = False  # start_local is building and binding the service on a worker thread
+        self._cancel_requested = False
         self.has_tray = QSystemTrayIcon.isSystemTrayAvailable() if has_tray is None else has_tray
         self.confirm_quit = confirm_quit or self._ask_quit
         self.quit_app = quit_app or QApplication.quit
@@ -75,7 +78,7 @@ class Controller(QObject):
             local = f" · engine here: {s.status}" if s is not None else ""
             return f"Chatting with {self.endpoint.api_url} · model {self.model_id}{local}"
         if s is None:
-            return "Engine stopped"
+            return "Starting the engine…" if self.starting else "Engine stopped"
         if s.status == "loading":
             return f"Loading the model… {s.progress:.0%}"
         if s.status == READY:
@@ -165,22 +168,45 @@ class Controller(QObject):
             event.ignore()
 
     # ---- the embedded engine -----------------------------------------------------------------------------------------
-    def start_local(self, settings: Any, launch_cfg: dict | None) -> LocalService:
-        """Starts loading (raises NInferError at once for a missing model or a taken port)."""
-        if self.service is not None:
+    def start_local(self, settings: Any, launch_cfg: dict | None) -> None:
+        """Starts the engine off the GUI thread (building the service imports the server, binding waits for it);
+        a missing model or a taken port comes back through ``launcher.loading_finished(False, error)``."""
+        if self.service is not None or self.starting:
             raise NInferError("The engine is already running.", "Stop it first.")
-        service = LocalService(settings)
-        service.start()
-        self.service, self.settings, self.launch_cfg = service, settings, launch_cfg
+        self.starting, self._cancel_requested = True, False
+        self.settings, self.launch_cfg = settings, launch_cfg
+        spawn(self._start_local(settings, launch_cfg), "start-engine")
+        self.state_changed.emit()
+
+    async def _start_local(self, settings: Any, launch_cfg: dict | None) -> None:
+        try:
+            service = await asyncio.to_thread(lambda: LocalService(settings).start())
+        except Exception as e:  # NInferError (missing model, port taken) or anything unexpected
+            self.starting = False
+            error = str(e) if isinstance(e, NInferError) else f"{type(e).__name__}: {e}"
+            log.error("the engine did not start: %s", error)
+            self.launcher.loading_finished(False, error)
+            if self.window is not None:
+                self.window.statusBar().showMessage(error, 10000)
+            self.state_changed.emit()
+            return
+        self.starting = False
+        if self.quitting:  # quit while it was starting
+            await asyncio.to_thread(service.stop)
+            return
+        self.service = service
         if launch_cfg is not None:
             self.config.remember_start(launch_cfg)
+        if self._cancel_requested:
+            service.cancel()
         self._poll_timer.start()
         self.state_changed.emit()
-        return service
 
     def cancel_loading(self) -> None:
         if self.service is not None:
             self.service.cancel()
+        elif self.starting:
+            self._cancel_requested = True  # cancelled as soon as the service exists
 
     def _poll(self) -> None:
         s = self.service
@@ -257,14 +283,9 @@ class Controller(QObject):
         self.state_changed.emit()
 
     async def start_again(self) -> None:
-        if self.service is not None or self.settings is None:
+        if self.service is not None or self.starting or self.settings is None:
             return
-        try:
-            self.start_local(self.settings, self.launch_cfg)
-        except NInferError as e:
-            log.error("%s", e)
-            if self.window is not None:
-                self.window.statusBar().showMessage(str(e), 10000)
+        self.start_local(self.settings, self.launch_cfg)
 
     def toggle_server(self) -> None:
         if self.service is not None and self.service.serving:
@@ -297,74 +318,6 @@ class Controller(QObject):
         self.launcher.show()
         self.launcher.raise_()
         self.launcher.schedule()
-
-    # ---- another server -------------------------------------------------------------------------------------------
-    async def connect_remote(self, url: str, api_key: str | None) -> str | None:
-        """Chat with another OpenAI-compatible server; returns what went wrong, or None."""
-        try:
-            endpoint = Endpoint.parse(url, api_key)
-        except ValueError as e:
-            return str(e)
-        client = ApiClient(endpoint)
-        try:
-            models = await client.models()
-        except (ApiError, Exception) as e:  # httpx errors, bad JSON
-            await client.aclose()
-            return str(e) or type(e).__name__
-        if not models:
-            await client.aclose()
-            return "The server lists no models."
-        old = self.client
-        self.endpoint, self.client, self.remote = endpoint, client, True
-        self.model_id = models[0].get("id")
-        self.config.set("remote", {"url": endpoint.api_url})
-        if old is not None:
-            await old.aclose()
-        await self.refresh_mode()
-        self.show_main()
-        return None
-
-    def use_local(self) -> None:
-        if self.service is not None and self.service.status == READY:
-            spawn(self._connect_local(self.service), "use-local")
-            self.state_changed.emit()
-        else:
-            self.remote = False
-            self.launcher.show()
-
-    # ---- mode -----------------------------------------------------------------------------------------------------
-    async def refresh_mode(self) -> None:
-        data = None
-        if self.client is not None:
-            try:
-                data = await self.client.settings()
-            except Exception as e:
-                log.warning("cannot read the server's settings: %s", e)
-        self._set_mode_from(data)
-
-    async def set_mode(self, mode: str) -> None:
-        """Switches the server's default sampling (PUT /ninfer/v1/settings) and shows what is now in force."""
-        if self.client is None:
-            return
-        try:
-            data = await self.client.put_settings({"mode": mode})
-        except ApiError as e:
-            log.error("switching to %s mode failed: %s", mode, e)
-            if e.status not in (404, 405):
-                await self.refresh_mode()  # show what the server really uses
-                return
-            data = None  # this server has no mode switch
-        except Exception as e:  # the server went away
-            log.error("switching to %s mode failed: %s", mode, e)
-            await self.refresh_mode()
-            return
-        self._set_mode_from(data)
-        log.info("mode is now %s", self.mode)
-
-    def _set_mode_from(self, data: dict | None) -> None:
-        self.mode = data.get("mode") if data else None
-        self.sampling = data.get("sampling") if data else None
-        self.mode_changed.emit(self.mode, self.sampling)
 
     # ---- small things -------------------------------------------------------------------------------------------
     def copy_url(self) -> None:

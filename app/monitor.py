@@ -13,6 +13,7 @@ from collections import deque
 
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QColor
 from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app import theme
@@ -126,6 +127,10 @@ class MonitorPanel(QWidget):
                 axis.setPen(pg.mkPen(c["plot_fg"]))
                 axis.setTextPen(pg.mkPen(c["plot_fg"]))
             plot.setTitle(plot.plotItem.titleLabel.text, size="10pt", color=c["plot_fg"])
+            legend = plot.plotItem.legend
+            if legend is not None:
+                legend.setBrush(pg.mkBrush(QColor(c["plot_bg"])))
+                legend.setLabelTextColor(c["plot_fg"])
         for curve, key in ((self.curve_tps, "series1"), (self.curve_used, "series1"), (self.curve_free, "series2"),
                            (self.curve_vram, "series3"), (self.curve_host, "series5")):
             if curve is not None:
@@ -139,7 +144,9 @@ class MonitorPanel(QWidget):
         w.setMouseEnabled(x=False, y=False)
         w.hideButtons()
         w.setMinimumHeight(170)
-        w.addLegend(offset=(-10, 10))
+        c = theme.colors()
+        legend = w.addLegend(offset=(-10, 10), brush=pg.mkBrush(QColor(c["plot_bg"])), labelTextColor=c["plot_fg"])
+        legend.setZValue(10)  # above the curves
         return w
 
     # ---- reading -----------------------------------------------------------------------------------------------------
@@ -197,8 +204,19 @@ class MonitorPanel(QWidget):
             self.curve_host.setData(xs, list(self.series["host_pages_used"]), connect="finite")
         if vram is not None:
             self.curve_vram.setData(xs, list(self.series["vram_used"]), connect="finite")
+        self._fit_ranges(values)
         self._numbers(values, available)
         self.updated.emit(values)
+
+    def _fit_ranges(self, v: dict) -> None:
+        """Y ranges with room above the curves for the legend: tok/s up to 1.35x its peak, KV pages up to 1.35x the
+        pool."""
+        peak = max((x for x in self.series["decode_tps"] if x == x), default=0.0)
+        self.plot_tps.setYRange(0, max(peak, 1.0) * 1.35, padding=0)
+        used, free = v.get("pages_used"), v.get("pages_free")
+        if isinstance(used, (int, float)) and isinstance(free, (int, float)) and used + free > 0:
+            host = v.get("host_pages_used") if isinstance(v.get("host_pages_used"), (int, float)) else 0
+            self.plot_kv.setYRange(0, max(used + free, host) * 1.35, padding=0)
 
     def _numbers(self, v: dict, available: bool) -> None:
         for key, card in cards(v, available, self.vram.note, self.vram.name).items():

@@ -188,8 +188,10 @@ def test_cancel_loading_from_the_launcher(qapp, qloop, app_home):
         wait_until(w.start_button.isEnabled, timeout=TIMEOUT)
         w.start_button.click()
         assert w.loading and w.cancel_button.isVisible() and not w.form.isEnabled()
+        assert controller.starting  # the service is built and bound on a worker thread, not the GUI's
+        w.cancel_button.click()  # before the service even exists: cancelled as soon as it does
+        wait_until(lambda: controller.service is not None or not w.loading, timeout=60_000)
         service = controller.service
-        w.cancel_button.click()
         wait_until(lambda: controller.service is None and not w.loading, timeout=60_000)
         assert service.status == "cancelled" and not service.serving
         wait_until(w.start_button.isEnabled, timeout=5000)
@@ -243,3 +245,27 @@ def test_command_line_start_serves_without_a_click(qapp, qloop, app_home):
         assert not w.auto_start  # once
     finally:
         controller.launcher.hide()
+
+
+def test_a_start_that_fails_comes_back_to_the_launcher(qapp, qloop, app_home):
+    """start_local returns at once; a port taken between the check and the start is shown with its remedy."""
+    import socket as _socket
+
+    from app.settings_model import defaults, settings_or_raise
+    controller = make_controller(app_home, "taken")
+    w = controller.launcher
+    try:
+        with _socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            form = defaults()
+            form["port"] = s.getsockname()[1]
+            w.set_loading(True)
+            controller.start_local(settings_or_raise(form, None, None, env={}), None)
+            assert controller.starting and controller.service is None
+            wait_until(lambda: not controller.starting, timeout=60_000)
+        assert controller.service is None and not w.loading
+        assert "Cannot listen on" in w.load_error and "choose another port" in w.load_error
+        assert "Cannot listen on" in w.checks_label.text()
+    finally:
+        w.hide()

@@ -1,0 +1,85 @@
+"""The chat's backend, as a part of the Controller: the embedded engine's API or another OpenAI-compatible server
+(URL + key), and the server's mode (chat / agent) with the sampling values in force."""
+from __future__ import annotations
+
+import logging
+
+from engine.service import READY
+
+from app.asyncutil import spawn
+from app.client import ApiClient, ApiError, Endpoint
+
+log = logging.getLogger("ninfer.app")
+
+
+class BackendMixin:
+    """Expects the Controller's attributes: client, endpoint, remote, model_id, mode, sampling, service, config,
+    launcher, mode_changed, state_changed, show_main() and _connect_local()."""
+
+    # ---- another server -------------------------------------------------------------------------------------------
+    async def connect_remote(self, url: str, api_key: str | None) -> str | None:
+        """Chat with another OpenAI-compatible server; returns what went wrong, or None."""
+        try:
+            endpoint = Endpoint.parse(url, api_key)
+        except ValueError as e:
+            return str(e)
+        client = ApiClient(endpoint)
+        try:
+            models = await client.models()
+        except (ApiError, Exception) as e:  # httpx errors, bad JSON
+            await client.aclose()
+            return str(e) or type(e).__name__
+        if not models:
+            await client.aclose()
+            return "The server lists no models."
+        old = self.client
+        self.endpoint, self.client, self.remote = endpoint, client, True
+        self.model_id = models[0].get("id")
+        self.config.set("remote", {"url": endpoint.api_url})
+        if old is not None:
+            await old.aclose()
+        await self.refresh_mode()
+        self.show_main()
+        return None
+
+    def use_local(self) -> None:
+        if self.service is not None and self.service.status == READY:
+            spawn(self._connect_local(self.service), "use-local")
+            self.state_changed.emit()
+        else:
+            self.remote = False
+            self.launcher.show()
+
+    # ---- mode -----------------------------------------------------------------------------------------------------
+    async def refresh_mode(self) -> None:
+        data = None
+        if self.client is not None:
+            try:
+                data = await self.client.settings()
+            except Exception as e:
+                log.warning("cannot read the server's settings: %s", e)
+        self._set_mode_from(data)
+
+    async def set_mode(self, mode: str) -> None:
+        """Switches the server's default sampling (PUT /ninfer/v1/settings) and shows what is now in force."""
+        if self.client is None:
+            return
+        try:
+            data = await self.client.put_settings({"mode": mode})
+        except ApiError as e:
+            log.error("switching to %s mode failed: %s", mode, e)
+            if e.status not in (404, 405):
+                await self.refresh_mode()  # show what the server really uses
+                return
+            data = None  # this server has no mode switch
+        except Exception as e:  # the server went away
+            log.error("switching to %s mode failed: %s", mode, e)
+            await self.refresh_mode()
+            return
+        self._set_mode_from(data)
+        log.info("mode is now %s", self.mode)
+
+    def _set_mode_from(self, data: dict | None) -> None:
+        self.mode = data.get("mode") if data else None
+        self.sampling = data.get("sampling") if data else None
+        self.mode_changed.emit(self.mode, self.sampling)
