@@ -249,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", choices=("transformers", "none"), default="transformers")
     p.add_argument("--json", type=Path, default=None, help="write all results to this JSON file")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--spec", choices=("ngram", "draft", "mtp"), default=None,
+                   help="instead: decode speed with this speculative method vs without, on repetitive, code and "
+                        "prose content (greedy, stops at end of turn; --gen-tokens is the most generated)")
+    p.add_argument("--draft-model", default=None, help="the draft model for --spec draft")
+    p.add_argument("--draft-tokens", type=int, default=0, help="draft length ceiling for --spec (0: its default)")
     p.add_argument("--via-api", action="store_true",
                    help="also measure through the HTTP server (streaming) and compare with engine-direct")
     return p
@@ -275,9 +280,10 @@ def _run(args, command: str) -> int:
     threads = torch.get_num_threads()
     try:
         weights = args.dtype if args.weight_dtype == "same" else args.weight_dtype
+        spec = dict(spec=args.spec, draft_model=args.draft_model, draft_tokens=args.draft_tokens) if args.spec else {}
         loaded = build_engine(args.model, device=args.device, weight_dtype=weights, kv_dtype=args.dtype,
-                              max_concurrency=1, threads=args.threads,
-                              max_shared_prefixes=0)  # every run prefills the whole prompt
+                              max_concurrency=1, threads=args.threads, max_context=4096 if args.spec else 0,
+                              max_shared_prefixes=0, **spec)  # every run prefills the whole prompt
     except NInferError as err:
         print(f"ninfer-bench: {err}", file=sys.stderr)
         return 1
@@ -285,6 +291,8 @@ def _run(args, command: str) -> int:
         print(f"ninfer-bench: prompt + generated tokens exceed the context of {loaded.context_window}",
               file=sys.stderr)
         return 2
+    if args.spec:
+        return _run_spec(args, loaded, threads, command)
     prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
     theirs = ratio = None
     with LoadMeter() as meter:
@@ -312,6 +320,22 @@ def _run(args, command: str) -> int:
                       repeat=args.repeat, ninfer=ours, transformers=theirs, ratio=ratio,
                       via_api=api if args.via_api else None)
         args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _run_spec(args, loaded, threads: int, command: str) -> int:
+    from engine.bench_spec import format_spec_table, run_spec_bench
+
+    with LoadMeter() as meter:
+        results = run_spec_bench(args, loaded)
+    facts = machine_facts(loaded, threads)
+    facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
+    lines = ["NInfer speculative-decoding benchmark: " + command.strip()]
+    lines += [f"  {k:<26} {v}" for k, v in facts.items()]
+    print("\n".join(lines) + "\n\n" + format_spec_table(args.spec, results))
+    if args.json:
+        args.json.write_text(json.dumps(dict(command=command.strip(), machine=facts, spec=args.spec,
+                                             results=results), indent=2))
     return 0
 
 

@@ -20,6 +20,8 @@ from engine.model.llama import LlamaModel
 from engine.model.loader import load_weights
 from engine.model.weights import Progress
 from engine.runner import ModelRunner
+from engine.spec.factory import make_speculator
+from engine.spec.mtp import is_mtp_tensor
 
 log = logging.getLogger("ninfer.build")
 
@@ -96,6 +98,8 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
                  max_queue: int = 64, max_shared_prefixes: int | str = "auto", kv_window: int = 0,
                  kv_retrieve: int = 0, kv_ring: str = "auto", host_kv_mib: int = 0, host_pageable: bool = False,
                  allow_lossy_window: bool = False,
+                 spec: str = "none", draft_tokens: int = 0, draft_model: str | None = None,
+                 lm_head_draft: bool = False,
                  progress: Progress | None = None, cancel: threading.Event | None = None) -> LoadedEngine:
     import time
 
@@ -116,6 +120,7 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
     kdtype = pick_kv_dtype(kv_dtype, dev)
     net = LlamaModel(weights, wdtype, dev, fmt)
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
+    mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights
     if max_context > cfg.max_position:
         raise NInferError(f"--max-context {max_context} is beyond this model's trained context of "
@@ -131,8 +136,14 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
         raise NInferError(f"--host-kv-mib {host_kv_mib} holds no KV page of this model ({page_bytes / 2**20:.2f} MiB "
                           f"a page).", f"Raise --host-kv-mib to at least {-(-page_bytes // 2**20)}.")
     runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not host_pageable)
+    speculator = make_speculator(spec, target=net, runner=runner, tokenizer=tokenizer, target_path=path,
+                                 draft_tokens=draft_tokens, draft_model=draft_model, lm_head_draft=lm_head_draft,
+                                 weight_dtype=weight_dtype, mtp_weights=mtp_tensors)
+    del mtp_tensors
+    if speculator is not None:
+        log.info("speculative decoding: %s, up to %d draft tokens", speculator.method, speculator.max_draft)
     engine = Engine(runner, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=context,
                     eos_ids=tokenizer.eos_token_ids, max_queue=max_queue, max_shared_prefixes=max_shared_prefixes,
                     kv_window=kv_window, kv_retrieve=kv_retrieve, kv_ring=kv_ring,
-                    allow_lossy_window=allow_lossy_window)
+                    allow_lossy_window=allow_lossy_window, speculator=speculator)
     return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0)

@@ -250,6 +250,7 @@ def _resolve(layers: list[Layer], problems: list[str]) -> tuple[dict[str, Any], 
         if not s.available(values[s.name]):
             problems.append(_unavailable(s, values[s.name], sources[s.name]))
     problems += _kv_tier_problems(values, sources)
+    problems.extend(_spec_problems(values, sources))
     host = values["host"]
     if not is_loopback(host) and values["api_key"] is None and not values["insecure_no_auth"]:
         problems.append(
@@ -321,6 +322,24 @@ def _footprint_text(v: Any) -> str:
     retrieve = -(-get("kv_retrieve") // PAGE_TOKENS)
     total = window_footprint(v)
     return f"{total} pages: sink 1 + window and step {total - 1 - retrieve} + retrieved {retrieve}"
+
+
+def _spec_problems(values: dict[str, Any], sources: dict[str, str]) -> list[str]:
+    """Speculative-decoding settings that would be ignored or cannot work together."""
+    spec, out = values["spec"], []
+    if spec == "draft" and not values["draft_model"]:
+        out.append(f"[{sources['spec']}] --spec draft needs a draft model; set --draft-model PATH (a small model "
+                   f"with the same tokenizer), or use --spec ngram")
+    if values["draft_model"] and spec != "draft":
+        out.append(f"[{sources['draft_model']}] --draft-model is only used by --spec draft (--spec is {spec}); "
+                   f"add --spec draft or drop --draft-model")
+    if values["lm_head_draft"] and spec not in ("draft", "mtp"):
+        out.append(f"[{sources['lm_head_draft']}] --lm-head-draft cuts a draft's output layer, but --spec {spec} "
+                   f"has none; use it with --spec draft or --spec mtp, or drop it")
+    if values["draft_tokens"] and spec == "none":
+        out.append(f"[{sources['draft_tokens']}] --draft-tokens {values['draft_tokens']} has no effect without "
+                   f"speculative decoding; add --spec ngram|draft|mtp or drop --draft-tokens")
+    return out
 
 
 # ---------------------------------------------------------------- command line

@@ -17,7 +17,7 @@ from engine.kv.window import plan_tiers, tier_stats
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token
 from engine.scheduler import Scheduler
-from engine.sequence import RequestOutput, Sequence, TokenLogprob
+from engine.sequence import RequestOutput, Sequence, Status, TokenLogprob
 from engine.spec import Speculator, verify
 from engine.stream import RequestStream
 
@@ -173,7 +173,12 @@ class Engine:
         logits = self.runner.run(works)
         seconds = time.perf_counter() - t0
         prefill = decode = 0
-        for (seq, n), rows in zip(plan, logits):
+        hidden = self.runner.model.hidden if self.speculator is not None and self.speculator.needs_hidden else None
+        kept, row = [], 0
+        for (seq, n), rows, work in zip(plan, logits, works):
+            if hidden is not None:
+                kept.append((seq, work.start, row))
+                row += len(work.tokens)
             if rows is None or n > 1:
                 prefill += n
             if rows is None:
@@ -192,6 +197,9 @@ class Engine:
             decode += len(emitted) if n == 1 else len(emitted) - 1
             self._emit(seq, emitted, draft)
         self._account(prefill, decode, seconds)
+        if hidden is not None:  # MTP: its KV follows the positions kept, and it drafts for the next step
+            self.speculator.observe([(seq, start, hidden[row:row + seq.num_computed - start]) for seq, start, row in kept
+                                     if seq.status is Status.RUNNING])
 
     def _choose(self, seq: Sequence, rows: torch.Tensor, draft: list[int]) -> list[tuple[int, torch.Tensor]]:
         """The tokens this step adds: one sampled from the last row, or (speculating) the verified drafts plus one;

@@ -36,7 +36,8 @@ _STAT_DEFAULTS = dict(requests=0, finished=0, aborted=0, errors=0, prefill_token
                       prefix_prompt_tokens=0, prefix_hit_ratio=0.0, prefix_cached_pages=0, prefix_chains=0,
                       prefix_evicted_pages=0, kv_host_pages_total=0, kv_host_pages_used=0, kv_host_pages_free=0,
                       kv_window_tokens=0, kv_retrieve_tokens=0, kv_windowed_sequences=0, kv_evictions=0,
-                      kv_writethrough_pages=0, kv_retrieved_pages=0, kv_retrieved_bytes=0, kv_retrieve_seconds=0.0)
+                      kv_writethrough_pages=0, kv_retrieved_pages=0, kv_retrieved_bytes=0, kv_retrieve_seconds=0.0,
+                      spec_drafted=0, spec_accepted=0, spec_steps=0, spec_acceptance=0.0, spec_mean_accepted=0.0)
 _RATE_KEYS = ("prefill_tokens", "prefill_seconds", "decode_tokens", "decode_seconds")
 
 
@@ -214,6 +215,10 @@ class _EngineCollector:
              "kv_windowed_sequences"),
             ("ninfer_kv_retrieve_mib_per_second", "Host-to-GPU KV copy speed of retrieval (MiB per second of copying).",
              "kv_retrieve_mib_per_second"),
+            ("ninfer_spec_acceptance_ratio", "Speculative decoding: drafted tokens accepted / drafted (0 when off).",
+             "spec_acceptance"),
+            ("ninfer_spec_mean_accepted_tokens", "Speculative decoding: drafted tokens accepted per verification step.",
+             "spec_mean_accepted"),
         ]
         for name, doc, key in gauges:
             yield GaugeMetricFamily(name, doc, value=stats[key])
@@ -250,6 +255,10 @@ class _EngineCollector:
              "kv_evictions"),
             ("ninfer_kv_writethrough_pages", "Full KV pages written through to host memory.",
              "kv_writethrough_pages"),
+            ("ninfer_spec_drafted_tokens", "Speculative decoding: tokens drafted.", "spec_drafted"),
+            ("ninfer_spec_accepted_tokens", "Speculative decoding: drafted tokens the model accepted.", "spec_accepted"),
+            ("ninfer_spec_verify_steps", "Speculative decoding: verification steps (decode steps with a draft).",
+             "spec_steps"),
         ]
         for name, doc, key in counters:
             yield CounterMetricFamily(name, doc, value=stats[key])

@@ -196,14 +196,19 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     *_group(
         "speculative",
-        _s("spec", str, "none", "Speculative decoding method used to generate several tokens per step.",
-           choices=_SPECS, available=_only("none"), needs=_SPEC),
-        _s("draft_tokens", int, 0, "Tokens drafted per step by the speculative method; 0 uses the method's default.",
-           minimum=0, available=_only(0), needs=_SPEC, default_means="the method's default"),
-        _s("draft_model", str, None, "Path to the small model that drafts tokens for --spec draft.",
-           nullable=True, available=_only(None), needs=_SPEC, default_means="no draft model"),
-        _s("lm_head_draft", bool, False, "Draft tokens with a truncated output layer of the main model.",
-           available=_only(False), needs=_SPEC),
+        _s("spec", str, "none", "Speculative decoding method: ngram drafts from earlier text (no extra weights), draft "
+           "uses a small model with the same tokenizer, mtp uses the checkpoint's multi-token-prediction layers. "
+           "Output is exactly what decoding without it gives.",
+           choices=_SPECS, available=_only("none", "ngram", "draft", "mtp"),
+           needs="the DFlash2 drafter is not supported; use mtp, draft or ngram"),
+        _s("draft_tokens", int, 0, "Most tokens drafted per step; the engine shortens drafts while few are accepted "
+           "and lengthens them again when most are; 0 uses the method's default.",
+           minimum=0, maximum=16, default_means="the method's default (4)"),
+        _s("draft_model", str, None, "Path to the small model (GGUF file or folder) that drafts tokens for --spec draft; "
+           "it must use the same tokenizer as the served model.",
+           nullable=True, default_means="no draft model"),
+        _s("lm_head_draft", bool, False, "Draft with an output layer cut to the most frequent quarter of the "
+           "vocabulary: cheaper drafts, slightly fewer accepted (--spec draft or mtp)."),
     ),
     *_group(
         "sampling",

@@ -67,6 +67,8 @@ class LlamaModel:
         self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, weights.tensors.get("rope_freqs"),
                              device)
+        self.keep_hidden = False  # set by MTP drafting (engine.spec.mtp), which reads every token's last hidden state
+        self.hidden: torch.Tensor | None = None  # then: [T, hidden] before the final norm, for the last batch
 
     def weight_bytes(self) -> int:
         """Bytes the forward pass reads per token: every layer's weights plus the output layer (not the embedding
@@ -88,6 +90,8 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             x, residual = layer.forward(x, residual, i, batch, self.rotary)
         x = residual + x
+        if self.keep_hidden:
+            self.hidden = x
         if batch.logit_rows is not None:
             x = x.index_select(0, batch.logit_rows)
         return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_eps)).float()

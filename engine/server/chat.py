@@ -104,13 +104,15 @@ class _Reply:
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.completion = {c.index: 0 for c in choices}
+        self.speculation: dict[int, tuple[int, int]] = {}  # choice -> (drafted, accepted) when speculating
 
     @property
     def usage(self) -> dict:
-        return usage_dict(self.prompt_tokens, self.completion)
+        return usage_dict(self.prompt_tokens, self.completion, self.speculation)
 
     def events(self):
-        return run_choices(self.streams, self.choices, {"completion_tokens": self.completion})
+        usage = {"completion_tokens": self.completion, "speculation": self.speculation}
+        return run_choices(self.streams, self.choices, usage)
 
     async def whole(self) -> dict:
         msgs = {c.index: {"content": [], "reasoning": [], "tool_calls": [], "logprobs": [], "finish": "stop"}

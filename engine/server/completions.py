@@ -66,6 +66,7 @@ class _Reply:
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.completion = {c.index: 0 for c in choices}
+        self.speculation: dict[int, tuple[int, int]] = {}  # choice -> (drafted, accepted) when speculating
 
     def _body(self, choices, usage=None) -> dict:
         body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.req.model,
@@ -75,7 +76,8 @@ class _Reply:
         return body
 
     def events(self):
-        return run_choices(self.streams, self.choices, {"completion_tokens": self.completion})
+        usage = {"completion_tokens": self.completion, "speculation": self.speculation}
+        return run_choices(self.streams, self.choices, usage)
 
     async def whole(self) -> dict:
         acc = {c.index: {"text": [self.echoes[c.index]], "lps": [], "finish": "stop"} for c in self.choices}
@@ -89,7 +91,7 @@ class _Reply:
         choices = [{"index": i, "text": "".join(a["text"]), "finish_reason": a["finish"],
                     "logprobs": _legacy_logprobs(self.tokenizer, a["lps"], len(self.echoes[i]))
                     if self.req.logprobs is not None else None} for i, a in acc.items()]
-        return self._body(choices, usage_dict(self.prompt_tokens, self.completion))
+        return self._body(choices, usage_dict(self.prompt_tokens, self.completion, self.speculation))
 
     async def sse(self):
         offsets = {c.index: len(self.echoes[c.index]) for c in self.choices}
@@ -110,5 +112,5 @@ class _Reply:
                     yield sse(self._body([{"index": ev.index, "text": ev.content, "logprobs": lps,
                                            "finish_reason": ev.finish}]))
         if self.req.stream_options and self.req.stream_options.include_usage:
-            yield sse(self._body([], usage_dict(self.prompt_tokens, self.completion)))
+            yield sse(self._body([], usage_dict(self.prompt_tokens, self.completion, self.speculation)))
         yield "data: [DONE]\n\n"

@@ -160,6 +160,8 @@ async def run_choices(streams, choices: list[Choice], usage: dict):
         try:
             async for out in stream:
                 usage["completion_tokens"][choice.index] = out.completion_tokens
+                if out.spec_drafted and "speculation" in usage:
+                    usage["speculation"][choice.index] = (out.spec_drafted, out.spec_accepted)
                 ev = choice.on_output(out)
                 await queue.put(ev)
                 if ev.finish:
@@ -200,6 +202,14 @@ async def unless_disconnected(request, coro, poll: float = 0.25):
             task.cancel()
 
 
-def usage_dict(prompt_tokens: int, completion: dict[int, int]) -> dict:
+def usage_dict(prompt_tokens: int, completion: dict[int, int], speculation: dict | None = None) -> dict:
+    """OpenAI usage; with speculative decoding, completion_tokens_details counts the drafted tokens the model
+    accepted and rejected (the fields OpenAI uses for predicted outputs)."""
     done = sum(completion.values())
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    if speculation:
+        drafted = sum(d for d, _ in speculation.values())
+        accepted = sum(a for _, a in speculation.values())
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": drafted - accepted}
+    return usage

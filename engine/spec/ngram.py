@@ -1,6 +1,7 @@
 """Prompt lookup: propose what followed the latest earlier occurrence of the sequence's last few tokens."""
 from __future__ import annotations
 
+from engine.ledger.common import DEFAULT_DRAFT_TOKENS
 from engine.sequence import Sequence
 
 
@@ -32,7 +33,7 @@ class NgramIndex:
 class NgramProposer:
     """`--spec ngram`: no weights, no KV; free when nothing matches (then nothing is drafted)."""
     name = "ngram"
-    default_tokens = 5
+    default_tokens = DEFAULT_DRAFT_TOKENS["ngram"]
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n

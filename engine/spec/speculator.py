@@ -59,17 +59,25 @@ class Speculator:
             seq.spec = SpecState(self.max_draft)
         return seq.spec
 
+    @property
+    def needs_hidden(self) -> bool:
+        """Whether the proposer drafts from the target's hidden states (MTP): then the engine hands them over."""
+        return getattr(self.proposer, "needs_hidden", False)
+
+    def _length(self, seq: Sequence) -> int:
+        """Tokens to draft for seq now (0 while paused): its adaptive length, within what it may still produce."""
+        st = self.state(seq)
+        room = min(seq.max_context - len(seq.tokens), seq.params.max_tokens - len(seq.output)) - 1
+        return 0 if st.pause else max(0, min(st.length, room))
+
     def draft(self, decoding: list[Sequence], pool: PagePool) -> dict[str, list[int]]:
         """Drafts for the sequences that decode this step (request id -> tokens), with pages grown to hold them."""
         wanted = []
         for seq in decoding:
-            st = self.state(seq)
-            if st.pause:
-                st.pause -= 1
-                continue
-            room = min(seq.max_context - len(seq.tokens), seq.params.max_tokens - len(seq.output)) - 1
-            k = min(st.length, room)
-            if k > 0:
+            k = self._length(seq)
+            if seq.spec.pause:
+                seq.spec.pause -= 1
+            elif k > 0:
                 wanted.append((seq, k))
         if not wanted:
             return {}
@@ -79,6 +87,13 @@ class Speculator:
             if tokens and pool.grow_to(seq.pages, len(seq.tokens) + len(tokens)):
                 drafts[seq.request_id] = tokens
         return drafts
+
+    def observe(self, items) -> None:
+        """After a step, for a proposer that needs_hidden: items are (sequence, first position computed, the
+        target's last hidden states of the positions it kept)."""
+        chain = {seq.request_id: k for seq, _, _ in items
+                 if seq.num_computed == len(seq.tokens) - 1 and (k := self._length(seq)) > 0}
+        self.proposer.observe(items, chain)
 
     def verified(self, seq: Sequence, drafted: int, accepted: int, pool: PagePool) -> None:
         """After a verification step: counts, adaptive length, and the pages and proposer state of rejected tokens

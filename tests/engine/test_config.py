@@ -320,8 +320,7 @@ def test_none_means_process_argv_and_environment(monkeypatch):
 UNAVAILABLE = [  # (setting, a value this version rejects)
     ("cuda_graphs", "on"), ("prefill_cublas", True), ("gdn_state_fp16", True),
     ("kv_reuse_hostbacked", True),
-    ("spec", "ngram"), ("spec", "draft"), ("spec", "mtp"), ("spec", "dflash2"),
-    ("draft_tokens", 4), ("draft_model", "draft.gguf"), ("lm_head_draft", True),
+    ("spec", "dflash2"),
 ]
 
 
@@ -353,7 +352,8 @@ def test_unavailable_value_is_rejected(name, value):
 
 @pytest.mark.parametrize("name, value", [("weight_dtype", "bf16"), ("kv_dtype", "fp16"), ("kv_dtype", "k8v4"),
                                          ("kv_dtype", "rk4v4"), ("cuda_graphs", "off"),
-                                         ("max_shared_prefixes", 0), ("kv_ring", "off"), ("spec", "none")])
+                                         ("max_shared_prefixes", 0), ("kv_ring", "off"), ("spec", "none"),
+                                         ("spec", "ngram"), ("spec", "mtp")])
 def test_available_non_default_values_are_accepted(name, value):
     settings = settings_from_mapping({name: value}, "app")
     assert getattr(settings, name) == value and settings.source(name) == "app"
@@ -388,6 +388,33 @@ def test_rtx3060_ternary_preset_fails_listing_every_unavailable_feature():
     # its window has no retrieval: refused as lossy, naming both ways out
     p = one_problem_about(problems, "--kv-window 65536 with --kv-retrieve 0")
     assert "set --kv-retrieve" in p and "--allow-lossy-window" in p
+
+
+@pytest.mark.parametrize("argv, needle, remedy", [
+    (["--spec", "draft"], "--spec draft needs a draft model", "set --draft-model PATH"),
+    (["--draft-model", "small.gguf"], "--draft-model is only used by --spec draft (--spec is none)",
+     "add --spec draft or drop --draft-model"),
+    (["--spec", "ngram", "--draft-model", "small.gguf"], "--spec is ngram", "add --spec draft"),
+    (["--lm-head-draft"], "--lm-head-draft cuts a draft's output layer, but --spec none has none",
+     "use it with --spec draft or --spec mtp"),
+    (["--spec", "ngram", "--lm-head-draft"], "--spec ngram has none", "or drop it"),
+    (["--draft-tokens", "4"], "--draft-tokens 4 has no effect without speculative decoding",
+     "add --spec ngram|draft|mtp"),
+    (["--spec", "ngram", "--draft-tokens", "17"], "--draft-tokens 17", "must be from 0 to 16"),
+    (["--spec", "dflash2"], "not available in this version", "use mtp, draft or ngram"),
+])
+def test_speculative_combinations_fail_loudly(argv, needle, remedy):
+    problems = problems_of(argv)
+    assert len(problems) == 1, problems
+    assert needle in problems[0] and remedy in problems[0]
+
+
+@pytest.mark.parametrize("argv", [["--spec", "ngram"], ["--spec", "ngram", "--draft-tokens", "8"],
+                                  ["--spec", "mtp", "--lm-head-draft"],
+                                  ["--spec", "draft", "--draft-model", "small.gguf", "--lm-head-draft"]])
+def test_speculative_combinations_that_work(argv):
+    settings, _ = load_settings(argv, {})
+    assert settings.spec == argv[1]
 
 
 def test_kv_capacity_below_max_context_is_ring_mode():

@@ -1,0 +1,170 @@
+"""`--spec mtp`: multi-token-prediction layers shipped with the checkpoint draft from the target's hidden state.
+
+An MTP layer at position i reads the target's last hidden state h_i (before the final norm) and the embedding of the
+next token t_{i+1}: x = fc([norm_e(embed(t_{i+1})), norm_h(h_i)]), then one decoder layer (attention over its own KV,
+at the target's page slots) and the output layer predict t_{i+2}. Chained, its output hidden state stands in for h of
+the next position. Two checkpoint layouts are read:
+- Qwen3-Next / Qwen3.5: mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.0.*, mtp.norm;
+- DeepSeek-V3 (num_nextn_predict_layers): model.layers.{L}.eh_proj, enorm, hnorm, shared_head.norm
+  (+ shared_head.head), and the decoder layer's own tensors under model.layers.{L}, L = num_hidden_layers.
+Norms are plain RMSNorm (weight * x), as in the llama family this engine runs.
+
+Every target forward is followed by an MTP pass over the positions whose next token is now known (prompt chunks,
+accepted drafts), so the MTP KV stays complete; the pass's last row starts the draft chain for the next step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from engine.ledger.common import DEFAULT_DRAFT_TOKENS
+from engine.model.layers import rms_norm
+from engine.model.linear import Linear
+from engine.model.llama import DecoderLayer
+from engine.runner import ModelRunner, Work
+from engine.sequence import Sequence
+from engine.spec.heads import draft_head, greedy_tokens
+
+
+@dataclass
+class MTPWeights:
+    """One MTP layer's tensors under common names (layer: the decoder layer's tensors, llama names)."""
+    fc: torch.Tensor  # [H, 2H]: input [embedding half, hidden half]
+    norm_embedding: torch.Tensor
+    norm_hidden: torch.Tensor
+    norm_out: torch.Tensor
+    layer: dict[str, torch.Tensor]  # "input_layernorm.weight", "self_attn.q_proj.weight", ...
+    head: torch.Tensor | None = None  # its own output layer, when the checkpoint has one
+    layout: str = ""
+
+
+def find_mtp(tensors: dict[str, torch.Tensor], cfg) -> MTPWeights | None:
+    """The first MTP layer in a checkpoint's tensors, in either layout; None when there is none."""
+    if "mtp.fc.weight" in tensors:
+        layer = {n.removeprefix("mtp.layers.0."): t for n, t in tensors.items() if n.startswith("mtp.layers.0.")}
+        return MTPWeights(tensors["mtp.fc.weight"], tensors["mtp.pre_fc_norm_embedding.weight"],
+                          tensors["mtp.pre_fc_norm_hidden.weight"], tensors["mtp.norm.weight"], layer,
+                          tensors.get("mtp.lm_head.weight"), "qwen3-next")
+    p = f"model.layers.{cfg.num_layers}."
+    if p + "eh_proj.weight" in tensors:
+        layer = {n.removeprefix(p): t for n, t in tensors.items() if n.startswith(p)}
+        return MTPWeights(tensors[p + "eh_proj.weight"], tensors[p + "enorm.weight"], tensors[p + "hnorm.weight"],
+                          tensors[p + "shared_head.norm.weight"], layer, tensors.get(p + "shared_head.head.weight"),
+                          "deepseek-v3")
+    return None
+
+
+def is_mtp_tensor(name: str, num_layers: int) -> bool:
+    return name.startswith("mtp.") or name.startswith(f"model.layers.{num_layers}.")
+
+
+class MTPModule:
+    """The MTP layer as a model the ModelRunner can run: forward(batch) reads `self.hidden_in` (one row per
+    token of the batch) beside the batch's token ids; it keeps its output hidden states in `self.hidden_out`."""
+
+    def __init__(self, target, w: MTPWeights, lm_head_draft: bool):
+        dev, dt = target.device, target.dtype
+        self.cfg = replace(target.cfg, num_layers=1)
+        self.device, self.dtype = dev, dt
+        self.embed, self.rotary = target.embed, target.rotary
+        to = lambda t: t.to(device=dev, dtype=dt)  # noqa: E731
+        self.fc = Linear(to(w.fc))
+        self.norm_e, self.norm_h, self.norm_out = to(w.norm_embedding), to(w.norm_hidden), to(w.norm_out)
+        self.layer = DecoderLayer(self.cfg, {n: to(t) for n, t in w.layer.items()}, "")
+        self.lm_head = draft_head(Linear(to(w.head)) if w.head is not None else target.lm_head, lm_head_draft)
+        self.hidden_in: torch.Tensor | None = None
+        self.hidden_out: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def forward(self, batch) -> torch.Tensor:
+        eps = self.cfg.rms_eps
+        e = rms_norm(F.embedding(batch.input_ids, self.embed), self.norm_e, eps)
+        h = rms_norm(self.hidden_in.to(self.dtype), self.norm_h, eps)
+        x = self.fc(torch.cat([e, h], dim=-1))
+        x, residual = self.layer.forward(x, None, 0, batch, self.rotary)
+        x = residual + x
+        self.hidden_out = x
+        rows = x if batch.logit_rows is None else x.index_select(0, batch.logit_rows)
+        return self.lm_head(rms_norm(rows, self.norm_out, eps)).float()
+
+
+class MTPProposer:
+    name = "mtp"
+    default_tokens = DEFAULT_DRAFT_TOKENS["mtp"]
+    needs_hidden = True
+
+    def __init__(self, target, runner: ModelRunner, weights: MTPWeights, lm_head_draft: bool = False):
+        self.module = MTPModule(target, weights, lm_head_draft)
+        target.keep_hidden = True
+        # its own one-layer KV cache, addressed by the target sequences' page ids
+        self.runner = ModelRunner(self.module, runner.pool.num_pages, runner.kv.kv_dtype, runner.page_size)
+        self.target_pool = runner.pool
+        self.layout = weights.layout
+        self._pending: dict[str, tuple[int, list[int]]] = {}  # request id -> (len(tokens) it was drafted for, drafts)
+
+    def propose(self, requests: list[tuple[Sequence, int]]) -> list[list[int]]:
+        out = []
+        for seq, k in requests:
+            at, drafts = self._pending.pop(seq.request_id, (-1, []))
+            out.append(drafts[:k] if at == len(seq.tokens) else [])
+        return out
+
+    def observe(self, items: list[tuple[Sequence, int, torch.Tensor]], chain: dict[str, int]) -> None:
+        """After a target step: items are (sequence, first position computed, the target's hidden rows of the
+        positions it kept); chain: request id -> draft length wanted for the sequences that decode next."""
+        entries = []
+        for seq, start, rows in items:
+            if rows.shape[0]:
+                logits = "last" if seq.request_id in chain else None
+                entries.append((seq, Work(seq.tokens[start + 1:start + 1 + rows.shape[0]], start, seq.pages, logits),
+                                rows))
+        if not entries:
+            return
+        logits = self._run([w for _, w, _ in entries], torch.cat([r for _, _, r in entries]))
+        heads, offset = [], 0
+        for (seq, w, _), lg in zip(entries, logits):
+            offset += len(w.tokens)
+            if lg is not None:
+                heads.append((seq, offset - 1, lg[-1]))
+        self._chain(heads, chain)
+
+    def _chain(self, heads, chain: dict[str, int]) -> None:
+        """Greedy drafts for each sequence: the first from the catch-up pass's last row, then one MTP step each."""
+        active = []
+        for seq, row, logits in heads:
+            k = chain[seq.request_id]
+            token = greedy_tokens(logits[None])[0]
+            self._pending[seq.request_id] = (len(seq.tokens), [token])
+            if k > 1 and self.target_pool.grow_to(seq.pages, len(seq.tokens) + k - 1):
+                active.append((seq, k, self.module.hidden_out[row:row + 1].clone()))
+        step = 0
+        while active:
+            step += 1
+            works = [Work([self._pending[s.request_id][1][-1]], len(s.tokens) - 2 + step,
+                          s.pages) for s, _, _ in active]
+            logits = self._run(works, torch.cat([h for _, _, h in active]))
+            tokens = greedy_tokens(torch.cat([lg[-1:] for lg in logits]))
+            still = []
+            for i, ((seq, k, _), token) in enumerate(zip(active, tokens)):
+                drafts = self._pending[seq.request_id][1]
+                drafts.append(token)
+                if len(drafts) < k:
+                    still.append((seq, k, self.module.hidden_out[i:i + 1].clone()))
+            active = still
+
+    def _run(self, works: list[Work], hidden: torch.Tensor) -> list[torch.Tensor | None]:
+        self.module.hidden_in = hidden
+        try:
+            return self.runner.run(works)
+        finally:
+            self.module.hidden_in = None
+
+    def verified(self, seq: Sequence) -> None:
+        pass  # the next observe() recomputes the MTP KV of every position the target kept
+
+    def release(self, seq: Sequence) -> None:
+        self._pending.pop(seq.request_id, None)
+
+    def stats(self) -> dict:
+        return {}
