@@ -97,7 +97,7 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
                  kv_headroom_mib: int = 1024, max_concurrency: int = 4, prefill_chunk: int = 512, threads: int = 0,
                  max_queue: int = 64, max_shared_prefixes: int | str = "auto", kv_window: int = 0,
                  kv_retrieve: int = 0, kv_ring: str = "auto", host_kv_mib: int = 0, host_pageable: bool = False,
-                 allow_lossy_window: bool = False,
+                 allow_lossy_window: bool = False, kv_reuse_hostbacked: bool = False,
                  spec: str = "none", draft_tokens: int = 0, draft_model: str | None = None,
                  lm_head_draft: bool = False,
                  progress: Progress | None = None, cancel: threading.Event | None = None) -> LoadedEngine:
@@ -145,5 +145,6 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
     engine = Engine(runner, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=context,
                     eos_ids=tokenizer.eos_token_ids, max_queue=max_queue, max_shared_prefixes=max_shared_prefixes,
                     kv_window=kv_window, kv_retrieve=kv_retrieve, kv_ring=kv_ring,
-                    allow_lossy_window=allow_lossy_window, speculator=speculator)
+                    allow_lossy_window=allow_lossy_window, kv_reuse_hostbacked=kv_reuse_hostbacked,
+                    speculator=speculator)
     return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0)

@@ -284,10 +284,18 @@ def _kv_tier_problems(v: dict[str, Any], src: dict[str, str]) -> list[str]:
         out.append(f"{at('kv_window', 'host_kv_mib')} --kv-window {window} keeps older pages in host memory, but "
                    f"--host-kv-mib is 0; set --host-kv-mib (e.g. 4096), or --kv-ring off to cap each conversation at "
                    f"the window")
-    if host and not ringed:
+    if host and not ringed and not v["kv_reuse_hostbacked"]:
         why = "--kv-ring is off" if window else "--kv-window is 0"
         out.append(f"{at('host_kv_mib', 'kv_window' if not window else 'kv_ring')} --host-kv-mib {host} is used only "
-                   f"by ring mode and {why}; set --kv-window (with --kv-ring auto) or --host-kv-mib 0")
+                   f"by ring mode and by --kv-reuse-hostbacked, and {why}; set --kv-window (with --kv-ring auto) or "
+                   f"--kv-reuse-hostbacked, or --host-kv-mib 0")
+    if v["kv_reuse_hostbacked"] and host == 0:
+        out.append(f"{at('kv_reuse_hostbacked', 'host_kv_mib')} --kv-reuse-hostbacked keeps evicted prefix pages in "
+                   f"host memory, but --host-kv-mib is 0; set --host-kv-mib (e.g. 4096) or drop --kv-reuse-hostbacked")
+    if v["kv_reuse_hostbacked"] and v["max_shared_prefixes"] == 0:
+        out.append(f"{at('kv_reuse_hostbacked', 'max_shared_prefixes')} --kv-reuse-hostbacked extends prefix reuse, "
+                   f"but --max-shared-prefixes is 0 (off); set --max-shared-prefixes (or auto) or drop "
+                   f"--kv-reuse-hostbacked")
     if ringed and retrieve == 0 and not v["allow_lossy_window"]:
         out.append(f"{at('kv_window', 'kv_retrieve')} --kv-window {window} with --kv-retrieve 0 never attends to "
                    f"context older than the window again, so answers would silently miss it; set --kv-retrieve "
@@ -475,6 +483,8 @@ def _note(settings: Any, s: Setting, value: Any, sampling: dict[str, Any]) -> st
         return f"effective {sampling[s.name]} (from --mode {settings.mode})" if value is None else ""
     if s.name == "threads" and value == 0:
         return f"auto: {_cpu_threads()} CPU threads"
+    if s.name == "kv_reuse_hostbacked" and value:
+        return "evicted prefix pages keep a host copy; the host pool gives them up first when sequences need it"
     if s.name in ("kv_window", "kv_retrieve", "kv_ring", "host_kv_mib") and settings.kv_window:
         return _kv_note(settings, s.name)
     return s.default_means if value == s.default and s.default_means else ""

@@ -13,7 +13,7 @@ import torch
 from engine.constrain import ConstraintError
 from engine.errors import NInferError
 from engine.kv.prefix import PrefixCache, resolve_max_shared_prefixes
-from engine.kv.window import plan_tiers, tier_stats
+from engine.kv.window import host_backed_prefixes, plan_tiers, tier_stats
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token
 from engine.scheduler import Scheduler
@@ -42,7 +42,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, *, max_concurrency: int, prefill_chunk: int, max_context: int,
                  eos_ids: frozenset[int] = frozenset(), max_queue: int = 64, max_shared_prefixes: int | str = 0,
                  speculator: Speculator | None = None, kv_window: int = 0, kv_retrieve: int = 0,
-                 kv_ring: str = "auto", allow_lossy_window: bool = False):
+                 kv_ring: str = "auto", allow_lossy_window: bool = False, kv_reuse_hostbacked: bool = False):
         self.runner = runner
         self.pool = runner.pool
         # cached prompt prefixes, shared by later requests (0: none; build_engine and the server default to auto);
@@ -53,7 +53,8 @@ class Engine:
         self.tiers, self.kv_reach, self._reach_what = plan_tiers(
             runner, window=kv_window, retrieve=kv_retrieve, ring=kv_ring, chunk=prefill_chunk,
             allow_lossy=allow_lossy_window, speculative=speculator is not None)
-        self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk, self.prefix, self.tiers)
+        self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk, self.prefix, self.tiers,
+                                   host_backed_prefixes(runner, self.prefix, kv_reuse_hostbacked))
         self.max_context = max_context
         self.eos_ids = eos_ids
         self.speculator = speculator  # speculative decoding (engine.spec), or None

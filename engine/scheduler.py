@@ -28,9 +28,11 @@ class Scheduler:
     in prefix reuse."""
 
     def __init__(self, pool: PagePool, max_concurrency: int, prefill_chunk: int, prefix: PrefixCache | None = None,
-                 tiers: Tiering | None = None):
+                 tiers: Tiering | None = None, host_prefix=None):
+        """`host_prefix`: an engine.kv.hostprefix.HostPrefixStore (prefix pages evicted to the host come back)."""
         self.pool = pool
         self.tiers = tiers
+        self.host_prefix = host_prefix
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
         self.prefix = prefix
@@ -128,6 +130,10 @@ class Scheduler:
         c.update(prefix_cached_pages=cache.num_pages if cache else 0, prefix_chains=cache.num_chains if cache else 0,
                  prefix_evicted_pages=cache.evicted_pages if cache else 0,
                  max_shared_prefixes=cache.max_chains if cache else 0)
+        store = self.host_prefix
+        c.update(store.counters if store else dict(prefix_host_stored_pages=0, prefix_host_hits=0,
+                                                   prefix_host_hit_tokens=0),
+                 prefix_host_pages=store.num_pages if store else 0)
         return c
 
     def _admit(self, seq: Sequence) -> bool:
@@ -141,8 +147,14 @@ class Scheduler:
         if need + idle_hits > self.pool.num_free:
             return False
         self.pool.share(shared)
-        seq.pages = shared + self.pool.allocate(need)
-        seq.num_computed = len(shared) * self.pool.page_size
+        seq.pages = shared + self.pool.allocate(need)  # may evict idle cached pages (to the host store)
+        from_host = []
+        if self.host_prefix is not None and self.prefix is not None:
+            cap = self.prefix.reusable_tokens(len(seq.tokens)) // self.pool.page_size
+            from_host = self.host_prefix.match(seq.tokens, len(shared), hits[-1].key if hits else b"", cap)
+            if from_host:
+                self.host_prefix.load(from_host, seq.pages[len(shared):len(shared) + len(from_host)])
+        seq.num_computed = (len(shared) + len(from_host)) * self.pool.page_size
         recompute = self._readmit.pop(id(seq), None) is seq
         if self.prefix is None:
             return True
@@ -153,10 +165,11 @@ class Scheduler:
         else:
             c["prefix_prompt_tokens"] += len(seq.tokens)
             c["prefix_hit_tokens"] += seq.num_computed
-            c["prefix_hits"] += bool(hits)
-        if hits:
-            log.debug("prefix hit: %s reuses %d of %d tokens (%d cached pages)%s", seq.request_id, seq.num_computed,
-                      len(seq.tokens), len(hits), " after preemption" if recompute else "")
+            c["prefix_hits"] += bool(hits or from_host)
+        if hits or from_host:
+            log.debug("prefix hit: %s reuses %d of %d tokens (%d cached pages, %d from the host)%s", seq.request_id,
+                      seq.num_computed, len(seq.tokens), len(hits), len(from_host),
+                      " after preemption" if recompute else "")
         return True
 
     def schedule(self) -> list[tuple[Sequence, int]]:

@@ -29,7 +29,7 @@ def engine_kwargs(settings: Settings) -> dict:
                 max_queue=settings.max_queue, max_shared_prefixes=settings.max_shared_prefixes,
                 kv_window=settings.kv_window, kv_retrieve=settings.kv_retrieve, kv_ring=settings.kv_ring,
                 host_kv_mib=settings.host_kv_mib, host_pageable=settings.host_pageable,
-                allow_lossy_window=settings.allow_lossy_window,
+                allow_lossy_window=settings.allow_lossy_window, kv_reuse_hostbacked=settings.kv_reuse_hostbacked,
                 spec=settings.spec, draft_tokens=settings.draft_tokens, draft_model=settings.draft_model,
                 lm_head_draft=settings.lm_head_draft)
 

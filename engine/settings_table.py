@@ -20,7 +20,6 @@ ENV_ALLOWED_PREFIXES = ("NINFER_TEST_",)
 
 # What would provide the features that are declared but not available in this version.
 _KERNELS = "comes with the kernels work"
-_KV = "comes with the KV-memory work"
 _SPEC = "speculative decoding comes with the speculative-decoding work"
 
 
@@ -191,8 +190,8 @@ SETTINGS: tuple[Setting, ...] = (
            "than the window is then never attended to again."),
         _s("host_pageable", bool, False, "Use ordinary pageable host memory for the host KV instead of pinned memory "
            "(pinned memory makes host-to-GPU copies faster but cannot be swapped out)."),
-        _s("kv_reuse_hostbacked", bool, False, "Reuse cached prefixes that were moved to host memory.",
-           available=_only(False), needs="host-backed KV reuse " + _KV),
+        _s("kv_reuse_hostbacked", bool, False, "Keep cached prompt prefixes evicted from the GPU in the host KV memory "
+           "(--host-kv-mib) and bring them back when a prompt starts with them again."),
     ),
     *_group(
         "speculative",

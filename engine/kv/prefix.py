@@ -80,6 +80,7 @@ class PrefixCache:
         self._progress: dict[int, _Progress] = {}  # id(sequence) -> its registration progress
         self._leaves = 0
         self.evicted_pages = 0
+        self.backing = None  # engine.kv.hostprefix.HostPrefixStore: evicted pages keep a host copy
         pool.cache = self
 
     @classmethod
@@ -117,6 +118,8 @@ class PrefixCache:
         for page in self._idle:
             entry = self._by_page[page]
             if entry.children == 0:
+                if self.backing is not None:
+                    self.backing.store(entry)
                 self._drop(entry)
                 self.evicted_pages += 1
                 return page
@@ -213,6 +216,8 @@ class PrefixCache:
             entry = leaf
             while entry is not None and entry.children == 0 and self.pool.refcount(entry.page) == 0:
                 parent = entry.parent
+                if self.backing is not None:
+                    self.backing.store(entry)
                 self._drop(entry)
                 self.pool.give_back(entry.page)
                 self.evicted_pages += 1

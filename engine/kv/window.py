@@ -243,3 +243,26 @@ def tier_stats(runner, tiers: Tiering | None, scheduler) -> dict:
     out.update(host.counters if host else dict(kv_writethrough_pages=0, kv_retrieved_pages=0, kv_retrieved_bytes=0,
                                                kv_retrieve_seconds=0.0))
     return out
+
+
+def host_backed_prefixes(runner, prefix, enabled: bool):
+    """The host store of evicted prefix pages (--kv-reuse-hostbacked), attached to the GPU prefix cache; None when
+    off. Raises NInferError when it cannot work."""
+    from engine.errors import NInferError
+    from engine.kv.hostprefix import HostPrefixStore
+
+    host = getattr(runner, "host", None)
+    if prefix is not None:
+        prefix.backing = None
+    if not enabled:
+        return None
+    if host is None:
+        raise NInferError("--kv-reuse-hostbacked keeps evicted prefix pages in host memory, but there is no host KV "
+                          "tier.", "Set --host-kv-mib (e.g. 4096), or drop --kv-reuse-hostbacked.")
+    if prefix is None:
+        raise NInferError("--kv-reuse-hostbacked extends prefix reuse, but prefix reuse is off "
+                          "(--max-shared-prefixes 0).", "Set --max-shared-prefixes (or auto), or drop "
+                          "--kv-reuse-hostbacked.")
+    store = HostPrefixStore.for_host(host, runner.kv)
+    prefix.backing = store
+    return store

@@ -244,12 +244,12 @@ def test_several_problems_are_reported_together(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('kv_dtype = "fp61"\nkv_windw = 5\nthreads = "many"\n')
     with pytest.raises(ConfigError) as info:
-        load_settings(["--config", str(cfg), "--port", "70000", "--kv-reuse-hostbacked"],
+        load_settings(["--config", str(cfg), "--port", "70000", "--prefill-cublas"],
                       {"NINFER_PREFILL_CHUNK": "big", "NINFER_GREEDY": "maybe"})
     err = info.value
     assert isinstance(err, NInferError)
     needles = ["--kv-dtype fp61", "'kv_windw'", "--threads many", "--port 70000", "--prefill-chunk big",
-               "--greedy maybe", "--kv-reuse-hostbacked true: not available"]
+               "--greedy maybe", "--prefill-cublas true: not available"]
     assert len(err.problems) == len(needles)
     for needle in needles:
         one_problem_about(err.problems, needle)
@@ -319,7 +319,6 @@ def test_none_means_process_argv_and_environment(monkeypatch):
 
 UNAVAILABLE = [  # (setting, a value this version rejects)
     ("cuda_graphs", "on"), ("prefill_cublas", True), ("gdn_state_fp16", True),
-    ("kv_reuse_hostbacked", True),
     ("spec", "dflash2"),
 ]
 
@@ -362,9 +361,8 @@ def test_available_non_default_values_are_accepted(name, value):
 def test_12gb_mtp_preset_fails_listing_every_unavailable_feature():
     problems = problems_of(["--preset", "12gb-mtp"])
     unavailable = [p for p in problems if "not available in this version" in p]
-    assert one_problem_about(unavailable, "--kv-reuse-hostbacked true:").startswith("[preset:12gb-mtp]")
     assert not any(f in p for p in unavailable for f in ("--kv-window", "--kv-retrieve", "--kv-ring", "--host-kv-mib",
-                                                         "--host-pageable"))
+                                                         "--host-pageable", "--kv-reuse-hostbacked"))
     # the window it asks for does not fit its GPU KV capacity: the problem names both and the remedy
     p = one_problem_about(problems, "--kv-capacity 17920 is below what one windowed conversation holds")
     assert p.startswith("[preset:12gb-mtp, preset:12gb-mtp]") and "raise --kv-capacity to 25792" in p
@@ -383,7 +381,7 @@ def test_12gb_mtp_with_unavailable_features_overridden_still_needs_ring_mode():
 
 def test_rtx3060_ternary_preset_fails_listing_every_unavailable_feature():
     problems = problems_of(["--preset", "rtx3060-ternary"])
-    for needle in ["--kv-reuse-hostbacked true", "--gdn-state-fp16 true", "--prefill-cublas true"]:
+    for needle in ["--gdn-state-fp16 true", "--prefill-cublas true"]:
         assert "not available in this version" in one_problem_about(problems, needle + ":")
     # its window has no retrieval: refused as lossy, naming both ways out
     p = one_problem_about(problems, "--kv-window 65536 with --kv-retrieve 0")
@@ -500,9 +498,14 @@ KV_TIER_CASES = [  # (argv, env, what the one problem must say: the cause, then 
     ([], {"NINFER_KV_RING": "on"}, ["--kv-ring on needs a window", "set --kv-window"]),
     (["--kv-window", "4096", "--kv-retrieve", "512"], {}, ["--host-kv-mib is 0", "set --host-kv-mib",
                                                             "--kv-ring off"]),
-    (["--host-kv-mib", "1024"], {}, ["used only by ring mode and --kv-window is 0", "--host-kv-mib 0"]),
+    (["--host-kv-mib", "1024"], {}, ["used only by ring mode and by --kv-reuse-hostbacked, and --kv-window is 0",
+                                     "--host-kv-mib 0"]),
     (["--host-kv-mib", "1024", "--kv-window", "4096", "--kv-ring", "off"], {},
-     ["used only by ring mode and --kv-ring is off"]),
+     ["used only by ring mode and by --kv-reuse-hostbacked, and --kv-ring is off"]),
+    (["--kv-reuse-hostbacked"], {}, ["--kv-reuse-hostbacked keeps evicted prefix pages in host memory",
+                                     "set --host-kv-mib"]),
+    (["--kv-reuse-hostbacked", "--host-kv-mib", "512", "--max-shared-prefixes", "0"], {},
+     ["--max-shared-prefixes is 0", "set --max-shared-prefixes"]),
     (["--kv-window", "4096", "--host-kv-mib", "1024"], {}, ["--kv-retrieve 0 never attends", "set --kv-retrieve",
                                                             "--allow-lossy-window"]),
     ([], {"NINFER_KV_WINDOW": "4096", "NINFER_HOST_KV_MIB": "1024"}, ["[env:NINFER_KV_WINDOW, default]",

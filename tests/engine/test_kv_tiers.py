@@ -284,3 +284,63 @@ def test_concurrent_windowed_and_plain_sequences_under_preemption_match_the_full
     assert got == expected
     assert s["preemptions"] > 0 and s["kv_retrieved_pages"] > 0
     assert s["pages_free"] == 30 and s["kv_host_pages_free"] == 64
+
+
+# ---------------------------------------------------------------- host-backed prefix reuse
+
+def test_prefix_pages_evicted_from_the_gpu_come_back_from_the_host(tiny):
+    """A 12-page GPU pool: prompt A (5 full pages) is cached, prompt B evicts A's pages (copied to the host store),
+    and A again reuses them from the host: fewer prompt tokens computed, the same output as without any reuse."""
+    a, b = _prompt(330, seed=30), _prompt(760, seed=31)
+    plain = _engine(tiny, num_pages=16)
+    try:
+        want_a, want_b = plain.generate(a, _greedy(8)), plain.generate(b, _greedy(8))
+    finally:
+        plain.shutdown()
+    engine = _engine(tiny, num_pages=12, host_pages=16, kv_reuse_hostbacked=True, max_shared_prefixes=4,
+                     concurrency=1)
+    try:
+        assert engine.generate(a, _greedy(8)) == want_a
+        assert engine.generate(b, _greedy(8)) == want_b
+        before = wait_idle(engine)
+        assert before["prefix_host_pages"] >= 5 and before["prefix_host_hits"] == 0
+        assert engine.generate(a, _greedy(8)) == want_a
+        s = wait_idle(engine)
+    finally:
+        engine.shutdown()
+    assert s["prefix_host_hits"] == 1 and s["prefix_host_hit_tokens"] == 5 * PAGE
+    assert s["prefill_tokens"] - before["prefill_tokens"] == len(a) - 5 * PAGE
+    # stored prefix pages are idle: they count as free host pages, and none is held
+    assert s["kv_host_pages_used"] == 0 and s["kv_host_pages_free"] == 16 and s["pages_free"] == 12
+
+
+def test_stored_prefix_pages_give_way_to_windowed_sequences(tiny):
+    """Host pages holding evicted prefixes are taken back (least recently used first) when a windowed sequence
+    reserves its host pages; its output is still the full cache's."""
+    prompt = _prompt(900, seed=33)
+    full = _generate(_engine(tiny, num_pages=32), prompt, n=8)
+    engine = _engine(tiny, num_pages=30, host_pages=16, kv_window=512, kv_retrieve=1024, chunk=64,
+                     kv_reuse_hostbacked=True, max_shared_prefixes=8, concurrency=1)
+    try:
+        for seed in range(40, 45):  # within the window (plain, cached: 7 pages each); later ones evict earlier ones
+            engine.generate(_prompt(400, seed=seed), _greedy(2))
+        before = wait_idle(engine)
+        assert before["prefix_host_pages"] > 0
+        assert engine.generate(prompt, _greedy(8)) == full  # reserves 15 of the 16 host pages
+        s = wait_idle(engine)
+    finally:
+        engine.shutdown()
+    # its admission evicted more cached GPU pages to the host store, and took host pages back from the store
+    assert s["prefix_host_stored_pages"] > before["prefix_host_stored_pages"]
+    assert s["prefix_host_pages"] <= 16 - 15 and s["kv_host_pages_free"] == 16
+
+
+def test_host_backed_reuse_needs_a_host_tier_and_prefix_reuse(tiny):
+    with pytest.raises(NInferError, match="Set --host-kv-mib"):
+        _engine(tiny, kv_reuse_hostbacked=True, max_shared_prefixes=4)
+    with pytest.raises(NInferError, match="--max-shared-prefixes"):
+        _engine(tiny, host_pages=8, kv_reuse_hostbacked=True, max_shared_prefixes=0)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
