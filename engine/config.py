@@ -303,9 +303,9 @@ def _kv_tier_problems(v: dict[str, Any], src: dict[str, str]) -> list[str]:
     if v["host_pageable"] and host == 0:
         out.append(f"{at('host_pageable', 'host_kv_mib')} --host-pageable applies to the host KV tier, but "
                    f"--host-kv-mib is 0; set --host-kv-mib or drop --host-pageable")
-    if window and v["spec"] != "none":
-        out.append(f"{at('spec', 'kv_window')} --spec {v['spec']} does not run on windowed KV; use --spec none, or "
-                   f"--kv-window 0")
+    if window and v["spec"] == "mtp":
+        out.append(f"{at('spec', 'kv_window')} --spec mtp does not run on windowed KV (its heads run over the target's "
+                   f"page table); use --spec ngram or --spec draft, or --kv-window 0")
     if ringed and isinstance(cap, int):
         need = window_footprint(v) * PAGE_TOKENS
         if cap < need:

@@ -52,7 +52,7 @@ class Engine:
         # KV tiers: a GPU window + host pages + retrieval (engine/kv/window.py); kv_reach: tokens one sequence may hold
         self.tiers, self.kv_reach, self._reach_what = plan_tiers(
             runner, window=kv_window, retrieve=kv_retrieve, ring=kv_ring, chunk=prefill_chunk,
-            allow_lossy=allow_lossy_window, speculative=speculator is not None)
+            allow_lossy=allow_lossy_window, speculative=getattr(speculator, "needs_hidden", False))
         self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk, self.prefix, self.tiers,
                                    host_backed_prefixes(runner, self.prefix, kv_reuse_hostbacked))
         self.max_context = max_context

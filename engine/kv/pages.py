@@ -98,7 +98,11 @@ class PagePool:
         self._free.append(page)
 
     def grow_to(self, pages: list[int], num_tokens: int) -> bool:
-        """Extends a sequence's page list to hold num_tokens; False (and no change) when the pool is short."""
+        """Extends a sequence's page list to hold num_tokens; False (and no change) when the pool is short.
+        A windowed sequence's table (engine.kv.window.TieredPages, `fixed_footprint`) already holds every GPU page
+        any step needs: nothing to do."""
+        if getattr(pages, "fixed_footprint", False):
+            return True
         missing = self.pages_for(num_tokens) - len(pages)
         if missing <= 0:
             return True
@@ -108,7 +112,10 @@ class PagePool:
         return True
 
     def shrink_to(self, pages: list[int], num_tokens: int) -> None:
-        """Drops the pages past those holding num_tokens (a sequence that gave back tokens, e.g. rejected drafts)."""
+        """Drops the pages past those holding num_tokens (a sequence that gave back tokens, e.g. rejected drafts).
+        A windowed sequence keeps its fixed footprint: tokens past its length are simply overwritten later."""
+        if getattr(pages, "fixed_footprint", False):
+            return
         keep = self.pages_for(num_tokens)
         if keep < len(pages):
             self.deallocate(pages[keep:])

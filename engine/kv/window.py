@@ -60,7 +60,13 @@ class WindowSpec:
 
 class TieredPages(list):
     """The GPU pages a windowed sequence owns (the list itself, so that releasing it to the GPU pool works like any
-    page list), with the mapping of logical pages to GPU and host pages."""
+    page list), with the mapping of logical pages to GPU and host pages.
+
+    A step may compute several tokens (a prefill chunk, or a speculative verification step) and a sequence may give
+    tokens back (rejected drafts): only pages entirely below the computed length are ever written through, and the
+    slots past it are overwritten by later steps, so PagePool.grow_to / shrink_to leave the table alone."""
+
+    fixed_footprint = True
 
     def __init__(self, gpu_pages: list[int], spec: WindowSpec, host: HostPool, host_pages: list[int],
                  resident: dict[int, int] | None = None):
@@ -201,9 +207,9 @@ def plan_tiers(runner, *, window: int, retrieve: int, ring: str, chunk: int, all
                               "Set --kv-window (e.g. 4096), or set --kv-retrieve 0.")
         return None, gpu_reach, "the KV cache capacity"
     window = WindowSpec.round(window, ps)
-    if speculative:  # verification rolls pages back with PagePool.shrink_to, which a tiered table does not support
-        raise NInferError(f"Speculative decoding does not run on a windowed KV cache (--kv-window {window}).",
-                          "Use --spec none, or --kv-window 0.")
+    if speculative:  # MTP heads run their own cache over the target's page table, which a tiered table is not
+        raise NInferError(f"--spec mtp does not run on a windowed KV cache (--kv-window {window}).",
+                          "Use --spec ngram or --spec draft with a window, or --kv-window 0.")
     if ring == "off":
         return None, min(window, gpu_reach), (f"the KV window (--kv-window {window} with --kv-ring off; "
                                               f"--kv-ring auto with --host-kv-mib runs longer contexts)")

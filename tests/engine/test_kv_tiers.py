@@ -163,12 +163,36 @@ def test_bad_engine_combinations_name_their_remedy(tiny):
         (dict(kv_retrieve=64), "--kv-window"),
         (dict(kv_window=128, kv_retrieve=64), "--host-kv-mib"),
         (dict(num_pages=8, host_pages=32, kv_window=512, kv_retrieve=512), "Raise --kv-capacity"),
-        (dict(host_pages=32, kv_window=128, kv_retrieve=64, speculator=object()), "Use --spec none"),
+        (dict(host_pages=32, kv_window=128, kv_retrieve=64, speculator=_MTPLike()), "Use --spec ngram"),
     ]
     for kw, remedy in cases:
         with pytest.raises(NInferError) as e:
             _engine(tiny, **kw)
         assert remedy in str(e.value), str(e.value)
+
+
+class _MTPLike:
+    needs_hidden = True  # what tells an MTP speculator apart: it drafts from the target's hidden states
+
+
+@pytest.mark.parametrize("length, window, n", [(700, 128, 60), (200, 256, 220)])
+def test_speculative_decoding_on_a_windowed_sequence_is_lossless(tiny, length, window, n):
+    """ngram drafts verified on the windowed path (steps of several tokens, rejected tokens rolled back): greedy
+    output equals the full cache's without speculation; also for a sequence that outgrows the window mid-decode."""
+    from engine.spec import Speculator
+    from engine.spec.ngram import NgramProposer
+
+    base, motif = _prompt(length, seed=50), _prompt(6, seed=0)
+    # a motif every 20 tokens: the proposer finds drafts, and the random model rejects some of them
+    prompt = [tok for i in range(0, length, 20) for tok in (motif + base[i:i + 14])][:length]
+    full = _generate(_engine(tiny), prompt, n=n)
+    engine = _engine(tiny, num_pages=40, host_pages=64, kv_window=window, kv_retrieve=1024,
+                     speculator=Speculator(NgramProposer(), 4))
+    tokens = _generate(engine, prompt, n=n)
+    s = engine.stats()
+    assert tokens == full
+    assert s["spec_steps"] > 0 and s["spec_drafted"] > s["spec_accepted"]  # verified and rolled back
+    assert s["kv_retrieved_pages"] > 0 and s["pages_free"] == 40 and s["kv_host_pages_free"] == 64
 
 
 def test_ring_off_refuses_a_prompt_beyond_the_window_saying_why(tiny):
