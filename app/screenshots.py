@@ -21,6 +21,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+ANSWER_TIMEOUT = 900  # seconds: a busy 2-core machine may decode only a few tokens a second
+
+
 async def _until(condition, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -71,15 +74,16 @@ async def drive(app, controller, out: Path) -> None:
     await _until(lambda: len(chat.messages[-1].content) > 140 or not chat.busy, 300, "the answer to start")
     chat.render()
     save(window, "chat-streaming.png")
-    await _until(lambda: not chat.busy, 300, "the answer to finish")
+    await _until(lambda: not chat.busy, ANSWER_TIMEOUT, "the answer to finish")
     chat.render()
     save(window, "chat.png")
 
     window.tabs.setCurrentWidget(window.monitor)
+    chat.max_tokens = 64  # shorter answers: the monitor needs activity, not text
     for question in ("Explain what a palindrome is, with three examples.", "Now write the same function in Rust."):
         await asyncio.sleep(2)  # an idle gap between answers, as in real use
         chat.send(question)
-        await _until(lambda: not chat.busy, 300, "the answer to finish")
+        await _until(lambda: not chat.busy, ANSWER_TIMEOUT, "the answer to finish")
     await asyncio.sleep(1.2)
     save(window, "monitor.png")
     window.tabs.setCurrentWidget(window.server)

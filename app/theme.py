@@ -98,10 +98,12 @@ def apply(app: QApplication, dark: bool | None = None) -> dict[str, str]:
     return _current
 
 
-def follow_system(app: QApplication, on_change=None) -> None:
-    """Re-styles when the system switches between light and dark."""
-    def changed(*_):
-        apply(app)
+def follow_system(app: QApplication, on_change=None):
+    """Re-styles when the system switches between light and dark; returns the connected slot (to disconnect)."""
+    def changed(scheme=None):
+        known = {Qt.ColorScheme.Dark: True, Qt.ColorScheme.Light: False}
+        apply(app, known.get(scheme))  # the scheme the signal carries; else ask the system again
         if on_change:
             on_change()
     app.styleHints().colorSchemeChanged.connect(changed)
+    return changed

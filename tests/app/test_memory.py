@@ -140,3 +140,22 @@ def test_memory_bar_widget_draws_the_ledger(qapp):
     w.set_estimate(None)
     assert not w.rows[0][1].isVisibleTo(w) and "Shown once" in w.footer.text()
     w.close()
+
+
+def test_a_hugging_face_folder_is_planned_from_its_headers(tmp_path):
+    """An HF folder (config.json + safetensors) with a non-ASCII name: read without loading, planned by the ledger."""
+    from engine.ledger import ModelShape, build_ledger
+    from tests.engine.helpers import tiny_hf_model
+
+    _, folder = tiny_hf_model("llama", tmp_path, name="模型 ünï")
+    info = model_info(folder)
+    assert info.kind == "hf" and info.config.num_layers == 2 and info.params > 0
+    form = defaults()
+    form.update(max_context=1024, max_concurrency=1, kv_dtype="k4v4")
+    v = validate(form, str(folder), None, _CPU(), env={}, info=info, check_port=False)
+    assert v.ok, v.errors
+    ledger = build_ledger(ModelShape.from_path(folder), v.settings, vram_mib=0, ram_mib=8192)
+    stored = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert v.memory.weights == ledger.line("weights").bytes and 0 < v.memory.weights <= stored
+    assert v.memory.kv_bytes_per_token == ledger.page_bytes // 64 and v.memory.kv_tokens == 1024
+    assert any(c.area == "model" and c.level == "ok" and "2 layers" in c.message for c in v.checks)

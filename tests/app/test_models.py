@@ -287,3 +287,23 @@ def test_none_refcount_guard(qapp):
         label.setText("x")
     assert sys.getrefcount(None) > 1000
     assert not qtcompat.guard_none_refcount()  # once per process
+
+
+def test_light_and_dark_follow_the_system(qapp):
+    from PySide6.QtCore import Qt
+    from PySide6.QtGui import QPalette
+
+    from app import theme
+    hints = qapp.styleHints()
+    seen = []
+    slot = theme.follow_system(qapp, on_change=lambda: seen.append(theme.colors()["window"]))
+    try:
+        hints.colorSchemeChanged.emit(Qt.ColorScheme.Dark)  # what the system sends when it switches
+        assert theme.colors() is theme.DARK and seen[-1] == theme.DARK["window"]
+        assert qapp.palette().color(QPalette.ColorRole.Window).name() == theme.DARK["window"]
+        assert theme.transcript_theme() is render.DARK
+        hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
+        assert theme.colors() is theme.LIGHT and seen[-1] == theme.LIGHT["window"]
+    finally:
+        hints.colorSchemeChanged.disconnect(slot)
+        theme.apply(qapp, dark=False)
