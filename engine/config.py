@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import ipaddress
 import math
 import os
@@ -508,8 +509,30 @@ def _kv_note(settings: Any, name: str) -> str:
         return {"auto": "windowed once a conversation outgrows the window", "on": "every conversation windowed",
                 "off": "a conversation longer than the window is refused (400 context_length_exceeded)"}[
             settings.kv_ring]
-    page_note = "host pages = MiB / page size (ninfer-doctor --ledger shows it for a model)"
-    return f"every full page written through to host memory; {page_note}"
+    return f"every full page of a windowed conversation written through to host memory; {_host_pages_note(settings)}"
+
+
+@functools.lru_cache(maxsize=4)
+def _model_shape(model: str | None) -> Any:
+    from engine.ledger import ModelShape
+
+    return ModelShape.from_path(model)
+
+
+def _host_pages_note(settings: Any) -> str:
+    """The host tier's page count for the model (read from its metadata only), or how to get it."""
+    try:
+        from engine.hardware import resolve_device
+        from engine.ledger import resolve_kv_dtype
+
+        shape = _model_shape(settings.model)
+        kv = resolve_kv_dtype(settings.kv_dtype, resolve_device(settings.device) == "cuda")
+        page = shape.kv_bytes_per_token(kv) * PAGE_TOKENS
+        pages = settings.host_kv_mib * 2**20 // page
+        return (f"{pages} pages of {page / 2**20:.2f} MiB ({kv}, {shape.name}): a windowed conversation reaches "
+                f"{pages * PAGE_TOKENS} tokens")
+    except Exception as e:  # the model cannot be read here: the note says so, loading will report it properly
+        return f"page count unknown ({type(e).__name__}: the model could not be read); see ninfer-doctor --ledger"
 
 
 def format_settings(settings: Any) -> str:

@@ -111,6 +111,9 @@ class TieredPages(list):
             if i not in self.resident:
                 self.resident[i] = self.free.pop()
         self.lo, self.start = lo, start
+        # the candidates' host pages, as one tensor for every layer's selection in this step
+        self._candidates = torch.tensor(self.host_pages[1:lo], dtype=torch.long, device=self.host.kmin.device) \
+            if lo > 1 and self.spec.retrieve_pages else None
 
     def slot(self, position: int) -> int:
         ps = self.spec.page_size
@@ -145,7 +148,7 @@ class TieredPages(list):
         r = self.spec.retrieve_pages
         if r == 0:
             return []
-        host_ids = torch.tensor(self.host_pages[1:lo], dtype=torch.long, device=self.host.kmin.device)
+        host_ids = self._candidates
         chosen, scores = select_pages(q, self.host.kmin[layer].index_select(0, host_ids),
                                       self.host.kmax[layer].index_select(0, host_ids), r)
         chosen = [c + 1 for c in chosen]  # logical pages

@@ -551,3 +551,12 @@ def test_kv_tier_combinations_that_work_are_accepted_and_explained(argv, env):
         assert "LOSSY" in retrieve_row
     else:
         assert f"{-(-settings.kv_retrieve // 64)} pages" in retrieve_row and "sink 1" in window_row
+
+
+def test_print_config_counts_the_host_tier_pages_for_the_model():
+    """The embedded SmolLM2-135M: fp16 KV is 23,040 B a token (30 layers x 3 KV heads x 64 x 2 x 2 B), so a
+    64-token page is 1.41 MiB and 256 MiB of host KV hold 182 pages = 11,648 tokens."""
+    settings, _ = load_settings(["--kv-window", "512", "--kv-retrieve", "512", "--host-kv-mib", "256",
+                                 "--kv-dtype", "fp16"], {})
+    row = next(line for line in config.format_settings(settings).splitlines() if line.startswith("host_kv_mib "))
+    assert "182 pages of 1.41 MiB (fp16" in row and "reaches 11648 tokens" in row
