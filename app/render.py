@@ -92,7 +92,7 @@ def code_block(code: str, lang: str, theme: dict[str, str]) -> str:
     label = f'<div style="color:{theme["muted"]};font-size:small">{html.escape(lang)}</div>' if lang else ""
     return (f'<table width="100%" cellspacing="0" cellpadding="8" style="margin:6px 0" bgcolor="{theme["code_bg"]}">'
             f'<tr><td style="border:1px solid {theme["code_border"]}">{label}<pre style="margin:0;'
-            f'font-family:monospace">{highlight(code.rstrip(chr(10)), lang, theme)}</pre></td></tr></table>')
+            f'white-space:pre-wrap;font-family:monospace">{highlight(code.rstrip(chr(10)), lang, theme)}</pre></td></tr></table>')
 
 
 _INLINE_CODE = re.compile(r"`([^`\n]+)`")
@@ -214,7 +214,7 @@ def tool_calls_html(calls: list[dict[str, Any]], theme: dict[str, str]) -> str:
         parts.append(f'<table width="100%" cellspacing="0" cellpadding="6" style="margin:4px 0" '
                      f'bgcolor="{theme["tool_bg"]}"><tr><td><b>Tool call</b> '
                      f'<code style="font-family:monospace">{html.escape(fn.get("name", "?"))}</code>'
-                     f'<pre style="margin:2px 0 0 0;font-family:monospace">{html.escape(args)}</pre></td></tr></table>')
+                     f'<pre style="margin:2px 0 0 0;white-space:pre-wrap;font-family:monospace">{html.escape(args)}</pre></td></tr></table>')
     return "".join(parts)
 
 

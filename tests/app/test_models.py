@@ -307,3 +307,16 @@ def test_light_and_dark_follow_the_system(qapp):
     finally:
         hints.colorSchemeChanged.disconnect(slot)
         theme.apply(qapp, dark=False)
+
+
+def test_long_code_lines_wrap_instead_of_widening_the_transcript(qapp):
+    from PySide6.QtWidgets import QTextBrowser
+    view = QTextBrowser()
+    view.resize(600, 400)
+    view.show()
+    long_line = "fn f<" + "::SyntacticalTrait" * 40 + ">() {}\n    indented();"
+    view.setHtml(render.markdown(f"```rust\n{long_line}\n```\nand `{'x' * 300}`", render.LIGHT))
+    qapp.processEvents()
+    assert view.horizontalScrollBar().maximum() == 0 and view.document().idealWidth() <= 600
+    assert "    indented();" in view.toPlainText()  # indentation kept
+    view.close()
