@@ -236,7 +236,8 @@ def read_metrics(text: str, server: str = "") -> MetricsReading:
             "retrieved_pps": _rate(server + "ninfer_retrieved", _first(m, "ninfer_kv_retrieved_pages_total",
                                                                              "ninfer_kv_retrieved_pages")),
             "spec_drafted": drafted, "spec_accepted": accepted,
-            "spec_acceptance": _first(m, "ninfer_spec_acceptance", "ninfer_spec_acceptance_ratio")})
+            "spec_acceptance": _first(m, "ninfer_spec_acceptance_ratio", "ninfer_spec_acceptance"),
+            "spec_mean_accepted": _first(m, "ninfer_spec_mean_accepted_tokens")})
     if any(k.startswith("vllm:") for k in m):
         usage = _first(m, "vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc")
         return MetricsReading(True, "vLLM (KV shown as % used)", {

@@ -104,3 +104,22 @@ def test_monitor_panel_shows_a_stats_dict(qapp):
         assert panel.plot_kv.plotItem.legend.brush().color().name() == theme.colors()["plot_bg"]
     finally:
         panel.close()
+
+
+def test_a_remote_ninfer_metrics_page_feeds_every_card():
+    """The names NInfer's own /metrics exposes (engine.metrics, fed by a stand-in engine) reach the cards."""
+    from engine.metrics import Metrics
+
+    class _Engine:
+        def stats(self):
+            return {**BASE, **SPEC, **TIER, "pages_total": 32, "kv_retrieved_pages": 12, "spec_steps": 80}
+
+    metrics = Metrics()
+    metrics.attach(_Engine())
+    text = metrics.render()[0].decode()
+    reading = read_metrics(text, server="test-remote")
+    assert reading.available and reading.note == "NInfer"
+    c = cards(reading.values)
+    assert c["kv"].value == "3 / 32" and "host 5 / 64 pages" in c["kv"].detail
+    assert c["prefix"].value == "25%"
+    assert c["spec"].value == "75% accepted" and c["spec"].detail == "200 tokens drafted · 2.50 accepted per step"
