@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,7 @@ from engine.settings_table import SETTINGS, Setting, show_value
 from app import paths
 
 FORM_SOURCE = "app"
+log = logging.getLogger("ninfer.app")
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
 # Shown first, open; the rest of each group is under "More".
@@ -219,10 +221,19 @@ def effective(form: Mapping[str, Any], model: str | None, preset: Preset | None,
         problems: list[str] = []
     except ConfigError as e:
         settings, problems = None, [_rename(p, from_form) for p in e.problems]
+    except Exception as e:  # a defect in the settings code must not take the launcher down
+        log.exception("checking the settings failed")
+        settings = None
+        problems = [f"[app] the settings could not be checked ({type(e).__name__}: {e}); report this as a bug, with "
+                    f"the log (Logs tab or the data folder)"]
     if settings is not None:
         sources = {k: from_form.get(v, v) for k, v in settings.sources.items()}
         settings = dataclasses.replace(settings, sources=sources, config=None)
-    return Effective(settings, problems, _env_warnings(env), env_overrides(env))
+    try:
+        warnings = _env_warnings(env)
+    except Exception:  # (the same defect): the problem above says it
+        warnings = []
+    return Effective(settings, problems, warnings, env_overrides(env))
 
 
 def _rename(problem: str, sources: Mapping[str, str]) -> str:

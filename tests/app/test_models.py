@@ -320,3 +320,17 @@ def test_long_code_lines_wrap_instead_of_widening_the_transcript(qapp):
     assert view.horizontalScrollBar().maximum() == 0 and view.document().idealWidth() <= 600
     assert "    indented();" in view.toPlainText()  # indentation kept
     view.close()
+
+
+def test_a_defect_in_the_settings_code_is_a_problem_not_a_crash(monkeypatch):
+    import app.settings_model as sm
+
+    def broken(*_args, **_kw):
+        raise NameError("name '_helper' is not defined")
+    monkeypatch.setattr(sm, "load_settings", broken)
+    eff = effective(defaults(), None, None, env={"NINFER_PROT": "1"})
+    assert eff.settings is None and eff.warnings == []
+    message, remedy = split_problem(eff.problems[0])
+    assert "could not be checked (NameError" in message and remedy.startswith("Report this as a bug")
+    v = validate(defaults(), None, None, _Report(), env={}, check_port=False)
+    assert not v.ok and any(c.area == "settings" and "could not be checked" in c.message for c in v.errors)
