@@ -158,7 +158,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return
-        drafts = {}
+        drafts, started = {}, time.perf_counter()
         if self.speculator is not None:
             decoding = [seq for seq, n in plan if n == 1 and seq.num_computed == len(seq.tokens) - 1]
             drafts = self.speculator.draft(decoding, self.pool)
@@ -201,6 +201,9 @@ class Engine:
         if hidden is not None:  # MTP: its KV follows the positions kept, and it drafts for the next step
             self.speculator.observe([(seq, start, hidden[row:row + seq.num_computed - start]) for seq, start, row in kept
                                      if seq.status is Status.RUNNING])
+        if self.speculator is not None:  # what the whole step cost (drafting, the forward, verification)
+            self.speculator.step_done(sum(len(w.tokens) for w in works), len(works), prefill > 0,
+                                      time.perf_counter() - started)
 
     def _choose(self, seq: Sequence, rows: torch.Tensor, draft: list[int]) -> list[tuple[int, torch.Tensor]]:
         """The tokens this step adds: one sampled from the last row, or (speculating) the verified drafts plus one;

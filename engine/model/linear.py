@@ -19,6 +19,7 @@ DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOW_BIT = ("int8", "int4", "ternary")
 INT4_GROUP, TERNARY_GROUP = 32, 64
 Weight = torch.Tensor | QuantizedWeight
+FEW_ROWS, WIDE_OUT = 16, 16384  # see Linear.__call__
 
 
 def is_linear(name: str) -> bool:
@@ -82,9 +83,15 @@ class Linear:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.weight, QuantizedWeight):
-            return dispatch.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        if isinstance(w, QuantizedWeight):
+            return dispatch.linear(x, w, self.bias)
+        if x.device.type == "cpu" and 1 < x.shape[0] <= FEW_ROWS and w.shape[0] >= WIDE_OUT and x.dim() == 2:
+            # a few rows through a wide layer (the output layer over a verified draft): the CPU BLAS reads W
+            # several times as x @ W.T at 2-3 rows, once as W @ x.T (measured: 23 ms vs 6 ms, 49152 x 576 fp32)
+            y = (w @ x.t()).t()
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, w, self.bias)
 
     @property
     def nbytes(self) -> int:

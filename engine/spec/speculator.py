@@ -2,52 +2,19 @@
 pages, and the counters."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from engine.kv.pages import PagePool
 from engine.sequence import Sequence
-
-GROW_ABOVE = 0.8  # acceptance (moving average) above which the draft length grows by one, up to the ceiling
-SHRINK_BELOW = 0.5  # ... below which it shrinks by one; at zero, drafting pauses
-PAUSE_STEPS = (4, 64)  # first and longest pause (in decode steps) once the length reached zero; doubles each time
-
-
-@dataclass
-class SpecState:
-    """One sequence's adaptive draft length and its counts."""
-    length: int
-    rate: float = 1.0  # moving average of the accepted fraction of drafted tokens
-    pause: int = 0  # decode steps left without drafting
-    next_pause: int = PAUSE_STEPS[0]
-    drafted: int = 0
-    accepted: int = 0
-    steps: int = 0  # verification steps (steps that drafted at least one token)
-
-    def record(self, drafted: int, accepted: int, ceiling: int, adaptive: bool) -> None:
-        self.drafted += drafted
-        self.accepted += accepted
-        self.steps += 1
-        if not adaptive:
-            return
-        self.rate = 0.7 * self.rate + 0.3 * accepted / drafted
-        if self.rate > GROW_ABOVE:
-            self.length = min(ceiling, self.length + 1)
-            self.next_pause = PAUSE_STEPS[0]
-        elif self.rate < SHRINK_BELOW:
-            self.length -= 1
-            if self.length <= 0:
-                self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, PAUSE_STEPS[1])
-                self.length, self.rate = 1, 0.5 * (GROW_ABOVE + SHRINK_BELOW)
-
+from engine.spec.adaptive import SpecState, StepCosts, best_length
 
 class Speculator:
     """Wraps a proposer (engine.spec.ngram / draft / mtp) with `--draft-tokens` as the ceiling of each sequence's
-    draft length; `adaptive` off keeps the length at the ceiling."""
+    draft length (engine.spec.adaptive picks the length; `adaptive` off keeps it at the ceiling)."""
 
     def __init__(self, proposer, max_draft: int = 0, adaptive: bool = True):
         self.proposer = proposer
         self.max_draft = max_draft or proposer.default_tokens
         self.adaptive = adaptive
+        self.costs = StepCosts()
         self.counters = dict(spec_drafted=0, spec_accepted=0, spec_steps=0, spec_emitted=0)
 
     @property
@@ -56,7 +23,7 @@ class Speculator:
 
     def state(self, seq: Sequence) -> SpecState:
         if seq.spec is None:
-            seq.spec = SpecState(self.max_draft)
+            seq.spec = SpecState()
         return seq.spec
 
     @property
@@ -64,20 +31,17 @@ class Speculator:
         """Whether the proposer drafts from the target's hidden states (MTP): then the engine hands them over."""
         return getattr(self.proposer, "needs_hidden", False)
 
-    def _length(self, seq: Sequence) -> int:
-        """Tokens to draft for seq now (0 while paused): its adaptive length, within what it may still produce."""
-        st = self.state(seq)
-        room = min(seq.max_context - len(seq.tokens), seq.params.max_tokens - len(seq.output)) - 1
-        return 0 if st.pause else max(0, min(st.length, room))
+    def _room(self, seq: Sequence) -> int:
+        """Draft tokens the sequence may still use: it must end within max_tokens and the context."""
+        return min(seq.max_context - len(seq.tokens), seq.params.max_tokens - len(seq.output)) - 1
 
     def draft(self, decoding: list[Sequence], pool: PagePool) -> dict[str, list[int]]:
         """Drafts for the sequences that decode this step (request id -> tokens), with pages grown to hold them."""
         wanted = []
         for seq in decoding:
-            k = self._length(seq)
-            if seq.spec.pause:
-                seq.spec.pause -= 1
-            elif k > 0:
+            room = self._room(seq)
+            k = min(self.state(seq).length(self.max_draft, self.costs, self.adaptive), room) if room > 0 else 0
+            if k > 0:
                 wanted.append((seq, k))
         if not wanted:
             return {}
@@ -88,17 +52,28 @@ class Speculator:
                 drafts[seq.request_id] = tokens
         return drafts
 
+    def step_done(self, tokens: int, sequences: int, prefill: bool, seconds: float) -> None:
+        """The engine's timing of a step: single-sequence decode steps teach the cost of each draft length."""
+        if sequences == 1 and not prefill:
+            self.costs.record(tokens, seconds)
+
     def observe(self, items) -> None:
         """After a step, for a proposer that needs_hidden: items are (sequence, first position computed, the
         target's last hidden states of the positions it kept)."""
-        chain = {seq.request_id: k for seq, _, _ in items
-                 if seq.num_computed == len(seq.tokens) - 1 and (k := self._length(seq)) > 0}
+        chain = {}
+        for seq, _, _ in items:
+            st = self.state(seq)
+            if seq.num_computed == len(seq.tokens) - 1 and not st.pause:
+                k = 1 if st.probe else best_length(st.acceptance, self.max_draft, self.costs) if self.adaptive \
+                    else self.max_draft
+                if min(k, self._room(seq)) > 0:
+                    chain[seq.request_id] = min(k, self._room(seq))
         self.proposer.observe(items, chain)
 
     def verified(self, seq: Sequence, drafted: int, accepted: int, pool: PagePool) -> None:
         """After a verification step: counts, adaptive length, and the pages and proposer state of rejected tokens
         given back."""
-        self.state(seq).record(drafted, accepted, self.max_draft, self.adaptive)
+        self.state(seq).record(drafted, accepted)
         c = self.counters
         c["spec_drafted"] += drafted
         c["spec_accepted"] += accepted

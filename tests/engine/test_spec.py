@@ -14,7 +14,7 @@ from engine.errors import NInferError
 from engine.sampling import SamplingParams
 from engine.spec.draft import TokenizerMismatchError
 from engine.spec.ngram import NgramIndex
-from engine.spec.speculator import PAUSE_STEPS, SpecState
+from engine.spec.adaptive import PAUSE_STEPS, SpecState, StepCosts, best_length, expected_tokens
 from tests.engine.spec_models import add_mtp, swap_tokenizer_ids, tiny_folder
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(2, 60)), [9, 40, 3, 9, 40, 3, 77] * 3]
@@ -83,26 +83,51 @@ def test_ngram_proposes_the_latest_longest_match():
     assert NgramIndex(2, 4).lookup([1, 2, 3, 4, 1, 2], 9) == [3, 4, 1, 2]  # the continuation runs to the end
 
 
-def test_adaptive_length_shrinks_pauses_and_grows_back():
-    st = SpecState(length=5)
-    steps = 0
-    while st.pause == 0:
-        st.record(drafted=st.length, accepted=0, ceiling=5, adaptive=True)
-        steps += 1
-        assert steps < 20
-    assert st.pause == PAUSE_STEPS[0] and st.length == 1
-    st.pause = 0
-    while st.pause == 0:
-        st.record(drafted=st.length, accepted=0, ceiling=5, adaptive=True)
-    assert st.pause == 2 * PAUSE_STEPS[0]  # pauses double while nothing is accepted
-    st.pause = 0
+def _costs(per_token: float, ceiling: int = 8) -> StepCosts:
+    costs = StepCosts()
+    for k in range(ceiling + 1):
+        costs.record(1 + k, 0.05 * (1 + per_token * k))
+    return costs
+
+
+def test_draft_length_follows_acceptance_and_step_cost():
+    cheap, dear = _costs(0.05), _costs(0.8)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75) and expected_tokens(1.0, 4) == 5
+    assert best_length(0.95, 8, cheap) == 8  # predictable text on a GPU-like cost curve: the whole ceiling
+    assert best_length(0.6, 8, cheap) >= 3
+    assert best_length(0.6, 8, dear) == 0  # the same acceptance where extra rows cost 80% each: not worth it
+    assert best_length(0.95, 8, dear) >= 2
+    assert best_length(0.05, 8, cheap) == 0
+
+
+def test_rejections_pause_drafting_with_doubling_pauses_and_acceptance_lifts_it():
+    costs = _costs(0.3)
+    st = SpecState()
+    lengths, pauses, probes = [], [], 0
+    for _ in range(400):  # nothing is ever accepted
+        probing, paused = st.probe, st.pause
+        k = st.length(8, costs, adaptive=True)
+        if k:
+            probes += probing
+            assert k == 1 or not probing  # after a pause: a one-token probe
+            st.record(drafted=k, accepted=0)
+        elif not paused and st.pause:  # a pause starts
+            pauses.append(st.pause)
+        lengths.append(k)
+    assert lengths[0] >= 1  # a new sequence drafts
+    assert pauses[:6] == [4, 8, 16, 32, 64, 64]
+    assert probes >= 5 and sum(1 for k in lengths if k) <= 12  # a few drafts and probes in 400 steps
+    while not st.probe:  # run out the pause; the probe and the next drafts are accepted
+        st.length(8, costs, adaptive=True)
+    for _ in range(12):
+        k = st.length(8, costs, adaptive=True)
+        if k:
+            st.record(k, k)
+    assert st.length(8, costs, adaptive=True) >= 4 and st.next_pause == PAUSE_STEPS[0]
+    fixed = SpecState()
     for _ in range(10):
-        st.record(drafted=st.length, accepted=st.length, ceiling=5, adaptive=True)
-    assert st.length == 5 and st.next_pause == PAUSE_STEPS[0]
-    fixed = SpecState(length=3)
-    for _ in range(10):
-        fixed.record(drafted=3, accepted=0, ceiling=3, adaptive=False)
-    assert fixed.length == 3 and fixed.pause == 0
+        assert fixed.length(3, costs, adaptive=False) == 3
+        fixed.record(3, 0)
 
 
 def test_ngram_stops_drafting_where_nothing_is_accepted(ckpt, one_thread):
@@ -329,6 +354,7 @@ def test_mtp_drafts_match_a_transformers_reference(ckpt, one_thread):
     engine = loaded.engine  # stepped by hand on this thread
     prompt = PROMPTS[1][:40]
     stream = engine.submit(prompt, SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    engine.speculator.adaptive = False  # always the whole chain of 4
     proposer = engine.speculator.proposer
     runs, run = [], proposer._run
     proposer._run = lambda works, hidden: runs.append(run(works, hidden)) or runs[-1]  # keep each pass's logits
