@@ -132,6 +132,7 @@ class Metrics:
         stats["prefill_tokens_per_second"] = _rate(stats["prefill_tokens"], stats["prefill_seconds"])
         stats["decode_tokens_per_second"] = _rate(stats["decode_tokens"], stats["decode_seconds"])
         stats["kv_retrieve_mib_per_second"] = _rate(stats["kv_retrieved_bytes"] / 2**20, stats["kv_retrieve_seconds"])
+        stats["kv_retrieved_pages_per_step"] = _rate(stats["kv_retrieved_pages"], stats["steps"])
         now = time.monotonic()
         current = {k: stats[k] for k in _RATE_KEYS}
         with self._lock:
@@ -172,7 +173,7 @@ class Metrics:
                     {k: None for k in (*_STAT_DEFAULTS, "pages_used", "prefill_tokens_per_second",
                                        "decode_tokens_per_second", "prefill_tokens_per_second_recent",
                                        "decode_tokens_per_second_recent", "recent_window_seconds",
-                                       "kv_retrieve_mib_per_second")})
+                                       "kv_retrieve_mib_per_second", "kv_retrieved_pages_per_step")})
         return snap
 
 
@@ -215,6 +216,8 @@ class _EngineCollector:
              "kv_windowed_sequences"),
             ("ninfer_kv_retrieve_mib_per_second", "Host-to-GPU KV copy speed of retrieval (MiB per second of copying).",
              "kv_retrieve_mib_per_second"),
+            ("ninfer_kv_retrieved_pages_per_step", "KV pages brought from host memory per engine step (one per layer; "
+             "average since start).", "kv_retrieved_pages_per_step"),
             ("ninfer_spec_acceptance_ratio", "Speculative decoding: drafted tokens accepted / drafted (0 when off).",
              "spec_acceptance"),
             ("ninfer_spec_mean_accepted_tokens", "Speculative decoding: drafted tokens accepted per verification step.",

@@ -268,10 +268,14 @@ def test_metrics_expose_the_kv_tiers(tiny):
     text = metrics.render()[0].decode()
     for name in ("ninfer_kv_host_pages_used", "ninfer_kv_host_pages_free", "ninfer_kv_retrieved_pages_total",
                  "ninfer_kv_retrieved_bytes_total", "ninfer_kv_evictions_total", "ninfer_kv_window_tokens",
-                 "ninfer_kv_retrieve_mib_per_second"):
+                 "ninfer_kv_retrieve_mib_per_second", "ninfer_kv_retrieved_pages_per_step"):
         assert name in text, name
     assert "ninfer_kv_host_pages_free 32.0" in text
-    assert metrics.snapshot()["kv_retrieved_pages"] == engine.stats()["kv_retrieved_pages"] > 0
+    snap, stats = metrics.snapshot(), engine.stats()
+    assert snap["kv_retrieved_pages"] == stats["kv_retrieved_pages"] > 0
+    assert snap["kv_retrieved_pages_per_step"] == pytest.approx(stats["kv_retrieved_pages"] / stats["steps"])
+    assert snap["kv_retrieve_mib_per_second"] == pytest.approx(
+        stats["kv_retrieved_bytes"] / 2**20 / stats["kv_retrieve_seconds"])
 
 
 def test_ninfer_variables_reach_the_engine_kwargs():
