@@ -83,6 +83,7 @@ class TieredPages(list):
         self.lo = 0  # first logical page of this step's window (pages 1..lo-1 are on the host only)
         self.start = 0
         self.evictions = 0
+        self._candidates: torch.Tensor | None = None  # host pages of logical pages 1..lo-1, set by prepare
 
     @property
     def all_host_pages(self) -> list[int]:
