@@ -216,12 +216,12 @@ class Engine:
     def _emit(self, seq: Sequence, emitted: list[tuple[int, torch.Tensor]], draft: list[int]) -> None:
         first = not seq.output
         tokens, logprobs = [], []
-        for token, row in emitted:
+        for i, (token, row) in enumerate(emitted):
             seq.append(token)
             tokens.append(token)
             if seq.params.logprobs is not None:
                 logprobs.append(_token_logprob(token, row, seq.params.logprobs))
-            if seq.params.constraint is not None and seq.params.constraint.finished:
+            if i == len(emitted) - 1 and seq.params.constraint is not None and seq.params.constraint.finished:
                 seq.finish_reason = "stop"  # the grammar is complete (also when this token reached max_tokens)
             if seq.finish_reason:
                 break

@@ -16,7 +16,8 @@ def verify(rows: torch.Tensor, drafts: list[int], params: SamplingParams, prompt
     """rows: the target's logits [len(drafts) + 1, V] at the last token and at each draft. Returns the emitted
     tokens, each with its row's log-probabilities (or raw logits when the request wants no logprobs): the accepted
     drafts, then one token the target chose itself (a correction, or a bonus when every draft was accepted).
-    A constraint (engine.constrain) masks each row and is advanced by each emitted token."""
+    A constraint (engine.constrain) masks each row and is advanced by each emitted token; the tokens end where its
+    grammar is complete."""
     emitted: list[tuple[int, torch.Tensor]] = []
     history = list(output)
     for j, row in enumerate(rows):
@@ -31,6 +32,8 @@ def verify(rows: torch.Tensor, drafts: list[int], params: SamplingParams, prompt
         history.append(token)
         if constraint is not None:
             constraint.accept(token)
+            if constraint.finished:  # the grammar is complete: nothing may follow
+                break
         if token != draft:
             break
     return emitted

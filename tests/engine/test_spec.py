@@ -376,11 +376,9 @@ def test_mtp_drafts_match_a_transformers_reference(ckpt, one_thread):
 
 # ---------------------------------------------------------------- the default model
 
-@pytest.mark.slow
-def test_ngram_on_the_default_model_is_lossless_on_three_kinds_of_content(default_engine):
-    """The bench's three prompts (repetitive JSON, code, prose), 128 greedy tokens each: identical with ngram
-    speculation, which drafts on all of them and is accepted most on the repetitive one."""
-    from engine.bench_spec import CONTENT
+@pytest.fixture(scope="module")
+def ngram_engine(default_engine):
+    """An ngram-speculating engine over the default engine's weights (its own KV pages)."""
     from engine.engine import Engine
     from engine.runner import ModelRunner
     from engine.spec import Speculator
@@ -388,8 +386,20 @@ def test_ngram_on_the_default_model_is_lossless_on_three_kinds_of_content(defaul
 
     base = default_engine.engine
     runner = ModelRunner(base.runner.model, 40, base.runner.kv.kv_dtype, base.runner.page_size)
-    spec = Engine(runner, max_concurrency=1, prefill_chunk=512, max_context=2048, eos_ids=base.eos_ids,
-                  max_shared_prefixes=0, speculator=Speculator(NgramProposer())).start()
+    engine = Engine(runner, max_concurrency=2, prefill_chunk=512, max_context=2048, eos_ids=base.eos_ids,
+                    max_shared_prefixes=0, speculator=Speculator(NgramProposer())).start()
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.slow
+def test_ngram_on_the_default_model_is_lossless_on_three_kinds_of_content(default_engine, ngram_engine):
+    """The bench's three prompts (repetitive JSON, code, prose), 128 greedy tokens each: identical with ngram
+    speculation, which drafts on all of them and is accepted most on the repetitive one."""
+    from engine.bench_spec import CONTENT
+
+    base, spec = default_engine.engine, ngram_engine
+    spec.speculator.adaptive = False  # draft wherever something matches, so every prompt is verified
     tok = default_engine.tokenizer
     try:
         rates = {}
@@ -405,4 +415,32 @@ def test_ngram_on_the_default_model_is_lossless_on_three_kinds_of_content(defaul
             rates[content] = (after["spec_accepted"] - before["spec_accepted"]) / drafted
         assert rates["repetitive"] > 0.6 and rates["repetitive"] > rates["prose"], rates
     finally:
-        spec.shutdown()
+        spec.speculator.adaptive = True
+
+
+@pytest.mark.slow
+def test_ngram_under_a_json_schema_keeps_the_output(default_engine, ngram_engine):
+    """Drafts pass through the grammar like sampled tokens: the constrained output is the same with speculation,
+    greedy and sampled (same seeds give other draws, so sampled outputs are checked against the schema)."""
+    import json
+
+    import jsonschema
+
+    from engine.constrain import json_schema_constraint
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                               "city": {"type": "string"}},
+              "required": ["name", "age", "city"], "additionalProperties": False}
+    tok = default_engine.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": 'Repeat exactly: {"name": "Alice", "age": 30, '
+                                                                  '"city": "Paris"}'}])
+    c = json_schema_constraint(tok, schema)
+    greedy = SamplingParams(max_tokens=60, temperature=0.0, constraint=c)
+    before = ngram_engine.stats()
+    ours = ngram_engine.generate(prompt, greedy)
+    assert ours == default_engine.engine.generate(prompt, greedy)
+    assert json.loads(tok.decode(ours)) == {"name": "Alice", "age": 30, "city": "Paris"}
+    for seed in range(3):
+        out = ngram_engine.generate(prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=seed, constraint=c))
+        jsonschema.validate(json.loads(tok.decode(out)), schema)
+    assert ngram_engine.stats()["spec_accepted"] > before["spec_accepted"]
