@@ -84,3 +84,34 @@ def test_build_engine_sizes_both_tiers_from_the_settings():
     assert s["kv_host_pages_total"] == 64 * 2**20 // page_bytes == s["kv_host_pages_free"]
     assert engine.kv_reach == s["kv_host_pages_total"] * 64
     assert (s["kv_window_tokens"], s["kv_retrieve_tokens"], s["kv_lossy"]) == (512, 512, False)
+
+
+def test_ring_off_over_http_is_400_context_length_exceeded_saying_why(default_engine):
+    """--kv-window 512 --kv-ring off behind the real server: a prompt longer than the window is a 400
+    context_length_exceeded naming the setting, a short one is answered, and /metrics carries the KV tier gauges."""
+    import dataclasses
+
+    import httpx
+
+    from engine.config import load_settings
+    from engine.server.state import ServerState
+    from tests.api.conftest import RunningServer
+
+    engine = _engine(default_engine, num_pages=16, kv_window=512, kv_ring="off")
+    settings, _ = load_settings(["--kv-window", "512", "--kv-ring", "off"], {})
+    state = ServerState(settings, ["smol"])
+    state.loaded = dataclasses.replace(default_engine, engine=engine)
+    try:
+        with RunningServer(state) as server, httpx.Client(base_url=server.base_url, timeout=60) as http:
+            r = http.post("/v1/chat/completions", json={"model": "smol", "max_tokens": 4, "messages": [
+                {"role": "user", "content": "word " * 700}]})
+            assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+            assert "--kv-ring off" in r.json()["error"]["message"]
+            r = http.post("/v1/chat/completions", json={"model": "smol", "max_tokens": 4, "temperature": 0,
+                                                        "messages": [{"role": "user", "content": "Hi"}]})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            metrics = http.get("/metrics").text
+            assert "ninfer_kv_window_tokens 0.0" in metrics  # ring off: no windowed path, the window is a cap
+            assert "ninfer_kv_host_pages_free 0.0" in metrics
+    finally:
+        engine.shutdown()
