@@ -54,7 +54,7 @@ def local_values(s: dict, rates: Rates, now: float) -> dict:
     if _is_num(host_used, host_free) and host_used + host_free > 0:  # the engine runs a host tier
         values.update(host_pages_used=host_used, host_pages_free=host_free,
                       retrieved_pages=s.get("kv_retrieved_pages"), retrieved_pps=rates.retrieved_rate(s, now))
-    for key in ("spec_drafted", "spec_accepted", "spec_acceptance", "spec_mean_accepted"):
+    for key in ("spec_method", "spec_drafted", "spec_accepted", "spec_acceptance", "spec_mean_accepted"):
         values[key] = s.get(key)
     return values
 
@@ -114,8 +114,13 @@ def cards(v: dict, available: bool = True, vram_note: str = "", vram_name: str =
                            f"{drafted:,.0f} tokens drafted"
                            + (f" · {mean:.2f} accepted per step" if _is_num(mean) else ""))
     else:
-        out["spec"] = Card("not running", "no draft tokens yet" if _is_num(drafted) else
-                           "speculative decoding is off")
+        method = v.get("spec_method")
+        if method and method != "none":
+            detail = f"--spec {method}: no draft tokens yet"
+        else:
+            detail = "speculative decoding is off" if method == "none" or not _is_num(drafted) else \
+                "no draft tokens yet"
+        out["spec"] = Card("not running", detail)
 
     out["requests"] = Card(_num(v.get("running"), "{:.0f} running"),
                            _num(v.get("waiting"), "{:.0f} waiting")

@@ -139,6 +139,7 @@ class LocalService:
         snap.update(status=self.status, progress=self.progress, message=self.message, error=self.load_error,
                     url=self.url, serving=self.serving, model_ids=self.model_ids, model_path=str(self.model_path),
                     mode=self.state.settings.mode, sampling=dict(self.state.defaults),
+                    spec_method=getattr(self.state.settings, "spec", None),
                     device=str(loaded.device) if loaded is not None else None,
                     context_window=loaded.context_window if loaded is not None else None,
                     load_seconds=loaded.load_seconds if loaded is not None else None)

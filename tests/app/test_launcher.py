@@ -62,12 +62,15 @@ def test_preset_with_unavailable_features_lists_each(launcher, qtbot):
     wait_until(lambda: not w.start_button.isEnabled(), timeout=5000)
     text = "\n".join(c.message for c in checks(w))
     from tests.app.test_models import unavailable_flags
-    flags = unavailable_flags(w.preset)  # features this build of the engine does not have yet
-    for flag in flags:
+    errors = checks(w)
+    assert errors and all(c.remedy for c in errors)  # each problem with what to do
+    for flag in unavailable_flags(w.preset):  # features this build of the engine does not have yet
         assert flag in text
-    if not flags:  # every feature runs: then 256K tokens beyond the embedded model's context is the ledger's error
-        assert any(c.area == "memory" and "262144 is beyond this model's trained context" in c.message and c.remedy
-                   for c in checks(w))
+    settings_errors = [c for c in errors if c.area == "settings"]
+    assert all("preset:12gb-mtp" in c.message for c in settings_errors)  # each names where its value came from
+    if not settings_errors:  # the preset's values all run: 256K tokens are beyond the embedded model's context
+        assert any(c.area == "memory" and "262144 is beyond this model's trained context" in c.message
+                   for c in errors)
     assert w.form.editors["kv_window"].isVisible() or w.form.editors["kv_window"].value() == 16384
     for name in ("kv_window", "kv_retrieve", "spec", "draft_tokens", "kv_dtype", "host_kv_mib", "kv_ring",
                  "host_pageable", "kv_reuse_hostbacked", "max_shared_prefixes", "max_context", "kv_capacity"):

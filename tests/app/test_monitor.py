@@ -36,6 +36,10 @@ def test_acceptance_is_shown_while_speculative_decoding_runs():
     idle = cards(local_values({**BASE, **SPEC, "spec_drafted": 0, "spec_accepted": 0, "spec_acceptance": 0.0},
                               Rates(), now=0.0))
     assert idle["spec"].value == "not running" and idle["spec"].detail == "no draft tokens yet"
+    off = cards(local_values({**BASE, "spec_drafted": 0, "spec_method": "none"}, Rates(), now=0.0))
+    assert off["spec"].value == "not running" and off["spec"].detail == "speculative decoding is off"
+    waiting = cards(local_values({**BASE, "spec_drafted": 0, "spec_method": "ngram"}, Rates(), now=0.0))
+    assert waiting["spec"].value == "not running" and waiting["spec"].detail == "--spec ngram: no draft tokens yet"
     # a server that reports counts only: acceptance from accepted / drafted
     counted = cards({"spec_drafted": 40, "spec_accepted": 10})
     assert counted["spec"].value == "25% accepted"

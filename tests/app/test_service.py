@@ -60,13 +60,13 @@ def test_connect_host():
 
 
 def test_stats_carry_engine_keys_the_snapshot_lacks():
-    """Speculative decoding and KV-tier counters reach the monitor through stats(), whatever the metrics snapshot
-    carries; the snapshot's own keys win."""
+    """Whatever Engine.stats() reports reaches the monitor through stats(), even keys the metrics snapshot does not
+    carry yet; the snapshot's own keys win."""
 
     class _Engine:
         def stats(self):
-            return {"spec_drafted": 12, "spec_acceptance": 0.5, "kv_host_pages_used": 3, "pages_total": 10,
-                    "pages_free": 4, "pages_used": 999}
+            return {"spec_emitted": 30, "kv_future_counter": 7, "pages_total": 10, "pages_free": 4,
+                    "pages_used": 999}
 
     class _Loaded:
         engine = _Engine()
@@ -76,11 +76,12 @@ def test_stats_carry_engine_keys_the_snapshot_lacks():
 
     service = LocalService(settings_from_mapping({"port": free_port()}, "app"))
     stats = service.stats()
-    assert "spec_drafted" not in stats  # nothing loaded: the snapshot alone
+    assert "spec_emitted" not in stats and "kv_future_counter" not in stats  # nothing loaded: the snapshot alone
+    assert stats["spec_method"] == "none"  # the speculative-decoding setting in force
     service.state.loaded = _Loaded()
     try:
         stats = service.stats()
-        assert stats["spec_drafted"] == 12 and stats["spec_acceptance"] == 0.5 and stats["kv_host_pages_used"] == 3
+        assert stats["spec_emitted"] == 30 and stats["kv_future_counter"] == 7
         assert stats["pages_used"] == 10 - 4 and stats["context_window"] == 512  # the snapshot's own count
     finally:
         service.state.loaded = None
