@@ -254,6 +254,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "prose content (greedy, stops at end of turn; --gen-tokens is the most generated)")
     p.add_argument("--draft-model", default=None, help="the draft model for --spec draft")
     p.add_argument("--draft-tokens", type=int, default=0, help="draft length ceiling for --spec (0: its default)")
+    p.add_argument("--kv-window", type=int, default=0,
+                   help="NInfer only: keep this many recent tokens on the device, older pages in host memory "
+                        "(needs --host-kv-mib; see docs/KV.md)")
+    p.add_argument("--kv-retrieve", type=int, default=0, help="NInfer only: older tokens brought back per step")
+    p.add_argument("--host-kv-mib", type=int, default=0, help="NInfer only: host KV memory for --kv-window")
+    p.add_argument("--max-context", type=int, default=0, help="NInfer's context (0: the model's)")
     p.add_argument("--via-api", action="store_true",
                    help="also measure through the HTTP server (streaming) and compare with engine-direct")
     return p
@@ -282,8 +288,11 @@ def _run(args, command: str) -> int:
         weights = args.dtype if args.weight_dtype == "same" else args.weight_dtype
         spec = dict(spec=args.spec, draft_model=args.draft_model, draft_tokens=args.draft_tokens) if args.spec else {}
         loaded = build_engine(args.model, device=args.device, weight_dtype=weights, kv_dtype=args.dtype,
-                              max_concurrency=1, threads=args.threads, max_context=4096 if args.spec else 0,
-                              max_shared_prefixes=0, **spec)  # every run prefills the whole prompt
+                              max_concurrency=1, threads=args.threads,
+                              max_context=args.max_context or (4096 if args.spec else 0),
+                              max_shared_prefixes=0,  # every run prefills the whole prompt
+                              kv_window=args.kv_window, kv_retrieve=args.kv_retrieve, host_kv_mib=args.host_kv_mib,
+                              **spec)
     except NInferError as err:
         print(f"ninfer-bench: {err}", file=sys.stderr)
         return 1
