@@ -25,6 +25,10 @@ def kv_tier_problems(v: dict[str, Any], src: dict[str, str]) -> list[str]:
     if retrieve and window == 0:
         out.append(f"{at('kv_retrieve', 'kv_window')} --kv-retrieve {retrieve} brings older pages back into a window, "
                    f"but --kv-window is 0; set --kv-window (e.g. 4096) or --kv-retrieve 0")
+    if retrieve and window and ring == "off":
+        out.append(f"{at('kv_retrieve', 'kv_ring')} --kv-retrieve {retrieve} has nothing to bring back with --kv-ring "
+                   f"off (the window caps each conversation, nothing older is kept); use --kv-ring auto (with "
+                   f"--host-kv-mib) or --kv-retrieve 0")
     if ring == "on" and window == 0:
         out.append(f"{at('kv_ring', 'kv_window')} --kv-ring on needs a window; set --kv-window (e.g. 4096) or "
                    f"--kv-ring auto")

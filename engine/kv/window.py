@@ -215,6 +215,9 @@ def plan_tiers(runner, *, window: int, retrieve: int, ring: str, chunk: int, all
         raise NInferError(f"--spec mtp does not run on a windowed KV cache (--kv-window {window}).",
                           "Use --spec ngram or --spec draft with a window, or --kv-window 0.")
     if ring == "off":
+        if retrieve:
+            raise NInferError(f"--kv-retrieve {retrieve} has nothing to bring back with --kv-ring off (the window "
+                              f"caps each sequence).", "Use --kv-ring auto with --host-kv-mib, or --kv-retrieve 0.")
         return None, min(window, gpu_reach), (f"the KV window (--kv-window {window} with --kv-ring off; "
                                               f"--kv-ring auto with --host-kv-mib runs longer contexts)")
     if host is None:

@@ -502,6 +502,8 @@ KV_TIER_CASES = [  # (argv, env, what the one problem must say: the cause, then 
                                      "--host-kv-mib 0"]),
     (["--host-kv-mib", "1024", "--kv-window", "4096", "--kv-ring", "off"], {},
      ["used only by ring mode and by --kv-reuse-hostbacked, and --kv-ring is off"]),
+    (["--kv-window", "4096", "--kv-retrieve", "512", "--kv-ring", "off"], {},
+     ["has nothing to bring back with --kv-ring off", "--kv-retrieve 0"]),
     (["--kv-reuse-hostbacked"], {}, ["--kv-reuse-hostbacked keeps evicted prefix pages in host memory",
                                      "set --host-kv-mib"]),
     (["--kv-reuse-hostbacked", "--host-kv-mib", "512", "--max-shared-prefixes", "0"], {},

@@ -164,6 +164,7 @@ def test_bad_engine_combinations_name_their_remedy(tiny):
         (dict(kv_window=128, kv_retrieve=64), "--host-kv-mib"),
         (dict(num_pages=8, host_pages=32, kv_window=512, kv_retrieve=512), "Raise --kv-capacity"),
         (dict(host_pages=32, kv_window=128, kv_retrieve=64, speculator=_MTPLike()), "Use --spec ngram"),
+        (dict(kv_window=128, kv_retrieve=64, kv_ring="off"), "--kv-retrieve 0"),
     ]
     for kw, remedy in cases:
         with pytest.raises(NInferError) as e:
