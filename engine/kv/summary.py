@@ -27,15 +27,27 @@ def page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
             + torch.einsum("thgd,nhd->nthg", qg.clamp(max=0), kmin))
 
 
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block: int = 256) -> torch.Tensor:
     """One score per page [N] for this step's queries.
 
     Per query row and head, a page's bound is taken relative to the mean bound over the candidate pages (softmax
     is shift-invariant within a head, and this removes the offset a query's norm adds to every page). A page's
     score is the largest over the step's rows (a chunk keeps a page any of its rows needs) and over every query
-    head of every KV head (GQA-aware: a page is fetched for all heads at once)."""
-    bound = page_bounds(q, kmin, kmax)
-    return (bound - bound.mean(0, keepdim=True)).amax(dim=(1, 2, 3))
+    head of every KV head (GQA-aware: a page is fetched for all heads at once).
+
+    The bound is linear in (kmin, kmax) for a given query, so the mean bound is the bound of the mean summary, and
+    pages are scored `block` at a time: memory stays [block, rows, heads] for long contexts and prefill chunks."""
+    t, hq, d = q.shape
+    hkv = kmin.shape[1]
+    qg = q.float().view(t, hkv, hq // hkv, d)
+    pos, neg = qg.clamp(min=0), qg.clamp(max=0)
+    mean_max, mean_min = kmax.mean(0), kmin.mean(0)
+    scores = []
+    for i in range(0, kmin.shape[0], block):
+        hi, lo = kmax[i:i + block] - mean_max, kmin[i:i + block] - mean_min
+        bound = torch.einsum("thgd,nhd->nthg", pos, hi) + torch.einsum("thgd,nhd->nthg", neg, lo)
+        scores.append(bound.amax(dim=(1, 2, 3)))
+    return torch.cat(scores) if scores else kmin.new_zeros(0)
 
 
 def select_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k: int) -> tuple[list[int], list[float]]:

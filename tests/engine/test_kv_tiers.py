@@ -38,6 +38,19 @@ def test_page_scores_bound_every_key_of_the_page():
     assert page_bounds(q, lo, hi).item() == pytest.approx((q[0, 0] * same[0, 0]).sum().item(), rel=1e-5)
 
 
+def test_page_scores_are_the_centred_bounds_computed_block_by_block():
+    """The score is the page's bound minus the candidates' mean bound, maximised over rows and heads; scoring pages
+    a block at a time (the mean comes from the mean summary) gives the same numbers."""
+    g = torch.Generator().manual_seed(1)
+    for n, rows in ((5, 1), (600, 3), (300, 64)):
+        kmin = torch.randn(n, 3, 16, generator=g)
+        kmax = kmin + torch.rand(n, 3, 16, generator=g)
+        q = torch.randn(rows, 9, 16, generator=g)
+        bounds = page_bounds(q, kmin, kmax)
+        expected = (bounds - bounds.mean(0, keepdim=True)).amax(dim=(1, 2, 3))
+        assert torch.allclose(page_scores(q, kmin, kmax, block=100), expected, atol=1e-4)
+
+
 def _needle_case(seed: int, aligned: bool, lean: float = 3.0):
     """A context 16x the window (window 4 pages, 64 pages in all): random keys N(0, 1); the keys of one far page
     lean towards the query of one query head of one KV group (the other heads' queries are random): each of its
