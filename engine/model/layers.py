@@ -71,6 +71,23 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
+FEW_QUERIES = 16  # decode and verification steps: grouped_attention; longer chunks: SDPA
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      scale: float) -> torch.Tensor:
+    """Attention of a few query rows, GQA-aware without copying K/V per query head: q [Hq, L, D], k/v [Hkv, ctx, D],
+    mask [L, ctx] (True = may attend) or None. The query heads of one KV head become one [group * L, D] matrix (3x
+    faster than SDPA's math path with enable_gqa on the CPU, which repeats K and V for every query head)."""
+    hkv, ctx, d = k.shape
+    hq, length = q.shape[0], q.shape[1]
+    group = hq // hkv
+    scores = (q.reshape(hkv, group * length, d) @ k.transpose(1, 2)).float() * scale
+    if mask is not None:
+        scores = scores.view(hkv, group, length, ctx).masked_fill(~mask, float("-inf")).view(hkv, group * length, ctx)
+    return (scores.softmax(-1).to(v.dtype) @ v).view(hq, length, d)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
                     scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens. Writes k/v into the pages, then attends each sequence
@@ -91,8 +108,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype)  # [ctx, Hkv, D], dequantized to q's dtype
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
         kt, vt = keys.transpose(0, 1), values.transpose(0, 1)
-        if s.q_len == 1:
-            o = F.scaled_dot_product_attention(qs, kt, vt, scale=scale, enable_gqa=True)
+        if s.q_len <= FEW_QUERIES:
+            o = grouped_attention(qs, kt, vt, None if s.q_len == 1 else s.causal_mask(q.device), scale)
         elif s.q_len == s.ctx_len:
             o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
