@@ -43,9 +43,18 @@ class Validation:
         return self.effective.settings if self.effective is not None and self.ok else None
 
 
+def _unique_sources(problem: str) -> str:
+    """"[preset:x, preset:x] ..." -> "[preset:x] ..." (a problem of two settings from the same source)."""
+    if problem.startswith("[") and "]" in problem:
+        sources, rest = problem[1:].split("]", 1)
+        unique = list(dict.fromkeys(part.strip() for part in sources.split(",")))
+        return f"[{', '.join(unique)}]{rest}"
+    return problem
+
+
 def split_problem(problem: str) -> tuple[str, str]:
     """A ConfigError problem line -> (what is wrong, what to do): the remedy follows the last '; '."""
-    head, sep, tail = problem.rpartition("; ")
+    head, sep, tail = _unique_sources(problem).rpartition("; ")
     return (head, tail[:1].upper() + tail[1:] + ".") if sep else (problem, "")
 
 

@@ -107,6 +107,8 @@ def test_problems_name_their_source_and_block(tmp_path):
     assert eff.settings is None
     message, remedy = split_problem(next(p for p in eff.problems if "--top-p" in p))
     assert message.startswith(f"[preset:{mine.resolve()}] --top-p 7") and remedy
+    assert split_problem("[preset:a, preset:a, env:NINFER_X] --x 1 clashes; fix it") == (
+        "[preset:a, env:NINFER_X] --x 1 clashes", "Fix it.")
     message, remedy = split_problem(next(p for p in eff.problems if "--port" in p))
     assert message.startswith("[app] --port 70000") and remedy  # the form is "app", not a file name
 
