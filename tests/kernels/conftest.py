@@ -14,8 +14,12 @@ import os
 import zlib
 import sys
 
+# NINFER_TEST_DEVICE=cuda (scripts/gpu_check.sh) runs the same tests compiled for the GPU: tensors are created on
+# CUDA by default and the interpreter stays off.
+DEVICE = os.environ.get("NINFER_TEST_DEVICE", "cpu")
 _SAVED_INTERPRET = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import importlib  # noqa: E402
 
@@ -38,7 +42,12 @@ else:
 
 @pytest.fixture(autouse=True)
 def _interpret_and_seed(monkeypatch, request):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        torch.set_default_device(DEVICE)
+        request.addfinalizer(lambda: torch.set_default_device(None))
     monkeypatch.delenv("NINFER_NO_TRITON", raising=False)
     wanted = os.environ.get("NINFER_TEST_SEED", "")
     if wanted == "random":

@@ -1,0 +1,43 @@
+"""scripts/gpu_check.sh's CPU parts: the same code at tiny shapes (the numbers are not the point here, the shapes,
+the accounting and the report are)."""
+from __future__ import annotations
+
+import json
+
+from kernels import gpu_check
+
+
+def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tmp_path, capsys):
+    assert gpu_check.main(["--tiny", "--device", "cpu", "--skip-tests", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert results["environment"]["device"] == "cpu" and results["tiny"]
+    assert results["ceilings"]["copy_gbps"] > 0
+    assert {(r["format"], r["layer"]) for r in results["gemv"]} == {
+        (f, n) for f in gpu_check.FORMATS for n in ("q_proj", "gate_proj", "down_proj")}
+    assert all(r["gbps"] > 0 and r["us"] > 0 for r in results["gemv"])
+    assert [r["context"] for r in results["attention"]] == [256, 1024]
+    for r in results["end_to_end"]:
+        assert r["layers"] == r["of_layers"] == gpu_check.TINY.layers
+        assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and 0 < r["pct_roofline"]
+    table = capsys.readouterr().out
+    assert "| GEMV |" in table and "| ternary | 2/2 |" in table and "% roofline" in table
+
+
+def test_synthetic_weights_are_what_the_formats_say():
+    import torch
+
+    from kernels.quant import dequantize
+
+    for fmt in gpu_check.FORMATS:
+        w = gpu_check.random_weight(fmt, 64, 256, torch.device("cpu"))
+        dense = dequantize(w)
+        assert dense.shape == (64, 256) and torch.isfinite(dense).all() and dense.abs().sum() > 0
+        if fmt == "ternary":  # codes 0..2 only: values are -s, 0, +s per group
+            scale = w.scales.float().repeat_interleave(64, dim=1)
+            assert torch.allclose(dense.abs(), scale * (dense != 0), rtol=1e-3)
+
+
+def test_device_cuda_without_a_gpu_says_what_to_check(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
