@@ -215,18 +215,19 @@ def ratios(ours: dict, theirs: dict) -> dict:
             for key, _, _, higher in METRICS if ours.get(key) and theirs.get(key)}
 
 
-def format_table(facts: dict, ours: dict, theirs: dict | None, ratio: dict | None, command: str = "") -> str:
+def format_table(facts: dict, ours: dict, theirs: dict | None, ratio: dict | None, command: str = "",
+                 peer: str = "transformers") -> str:
+    peer = peer if theirs else "transformers"
     lines = ["NInfer benchmark" + (f": {command}" if command else "")]
     lines += [f"  {k:<26} {v}" for k, v in facts.items()]
-    head = f"| {'metric':<14} | {'ninfer':>10} | {'transformers':>12} | {'ratio':>6} |"
+    head = f"| {'metric':<14} | {'ninfer':>10} | {peer:>12} | {'ratio':>6} |"
     lines += ["", head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for key, label, fmt, _ in METRICS:
         other = fmt(theirs[key]) if theirs else "-"
         r = f"{ratio[key]:.2f}" if ratio and key in ratio else "-"
         lines.append(f"| {label:<14} | {fmt(ours[key]):>10} | {other:>12} | {r:>6} |")
     lines.append("")
-    lines.append("ratio > 1 means ninfer is better: ninfer/transformers for throughput, "
-                 "transformers/ninfer for TTFT.")
+    lines.append(f"ratio > 1 means ninfer is better: ninfer/{peer} for throughput, {peer}/ninfer for TTFT.")
     if theirs:
         same = next((i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b),
                     len(ours["tokens"]))
@@ -246,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-dtype", choices=("same", "auto", "int8", "int4"), default="same",
                    help="NInfer's weights: same = --dtype (like for like); auto = as the GGUF stores them (Q4_1 -> "
                         "int4); transformers always runs --dtype")
-    p.add_argument("--compare", choices=("transformers", "none"), default="transformers")
+    p.add_argument("--compare", choices=("transformers", "llama.cpp", "none"), default="transformers",
+                   help="the peer measured in the same run (llama.cpp: needs llama-cpp-python and a GGUF model)")
     p.add_argument("--json", type=Path, default=None, help="write all results to this JSON file")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--spec", choices=("ngram", "draft", "mtp"), default=None,
@@ -317,10 +319,24 @@ def _run(args, command: str) -> int:
             theirs = bench_transformers(model, prompt, args.gen_tokens, args.repeat)
             ratio = ratios(ours, theirs)
             del model
+        elif args.compare == "llama.cpp":
+            from engine.bench_llamacpp import bench_llamacpp, load_llamacpp
+            try:
+                llm = load_llamacpp(loaded.path, threads, args.prompt_tokens + args.gen_tokens + 16)
+            except RuntimeError as err:
+                print(f"ninfer-bench: {err}", file=sys.stderr)
+                return 1
+            cfg = loaded.config
+            kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # llama.cpp's default KV type
+            theirs = bench_llamacpp(llm, prompt, args.gen_tokens, args.repeat, lambda runs, weight_bytes: _summarise(
+                runs, len(prompt), args.gen_tokens,
+                decode_bytes_per_token(weight_bytes, kv_f16, len(prompt), args.gen_tokens)))
+            ratio = ratios(ours, theirs)
+            del llm
     facts = machine_facts(loaded, threads)
     facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
     command = command.strip()
-    print(format_table(facts, ours, theirs, ratio, command))
+    print(format_table(facts, ours, theirs, ratio, command, peer=args.compare))
     if args.via_api:
         from engine.bench_api import format_api_table
         print(format_api_table(ours, api))

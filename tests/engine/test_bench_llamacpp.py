@@ -1,0 +1,49 @@
+"""The llama.cpp peer of ninfer-bench: refused with the install command when absent; its runs are summarised like
+the other engines' (greedy settings asked for, warm-up dropped, TTFT and decode split at the first token)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.bench import _summarise, decode_bytes_per_token
+from engine.bench_llamacpp import bench_llamacpp, load_llamacpp
+
+
+def test_missing_llama_cpp_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):
+        load_llamacpp(tmp_path / "m.gguf", 2, 128)
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama: yields 10, 11, 12, ... and records the sampling settings it was given."""
+
+    def __init__(self, model_path: Path):
+        self.model_path = str(model_path)
+        self.calls = []
+
+    def reset(self):
+        pass
+
+    def generate(self, tokens, **kw):
+        self.calls.append((list(tokens), kw))
+        n = 10
+        while True:
+            yield n
+            n += 1
+
+
+def test_runs_are_greedy_and_summarised(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x" * 1000)
+    llm = FakeLlama(model)
+    result = bench_llamacpp(llm, [1, 2, 3], 5, 2, lambda runs, wb: _summarise(
+        runs, 3, 5, decode_bytes_per_token(wb, 100, 3, 5)))
+    assert len(llm.calls) == 3  # one warm-up + two measured runs
+    tokens, kw = llm.calls[0]
+    assert tokens == [1, 2, 3] and kw["temp"] == 0.0 and kw["top_k"] == 1 and kw["repeat_penalty"] == 1.0
+    assert result["tokens"] == [10, 11, 12, 13, 14] and len(result["runs"]) == 2
+    assert result["weight_bytes"] == 1000 and result["bytes_per_decode_token"] == 1000 + 100 * (3 + 2.5)
+    assert result["decode_tps"] > 0 and result["ttft_s"] >= 0
