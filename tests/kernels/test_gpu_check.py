@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kernels import gpu_check
+from engine import gpu_check
 
 
 def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tmp_path, capsys):

@@ -1,0 +1,310 @@
+"""The body of scripts/gpu_check.sh: what a GPU machine must show, in one short run.
+
+    python -m engine.gpu_check [--out DIR] [--device auto|cuda|cpu] [--tiny] [--memory-cap-gib 12] [--skip-tests]
+
+1. environment (torch, CUDA, Triton, the GPU, its memory);
+2. every kernel test on the device (tests/kernels with NINFER_TEST_DEVICE=cuda: compiled kernels, not the
+   interpreter);
+3. the two ceilings measured: device-to-device copy bandwidth (bytes read + written) and a bf16 matmul;
+4. each weight format's decode GEMV (int8, int4, ternary) at 27B shapes, as GB/s of weight bytes and % of copy;
+5. paged decode attention at 4K / 32K / 128K context, as GB/s of K/V bytes;
+6. end to end on a synthetic 27B-shaped llama (random ternary and int4 weights built on the device, capped to
+   --memory-cap-gib with torch.cuda.set_per_process_memory_fraction): decode tok/s against the roofline (copy
+   bandwidth / bytes read per token) and prefill tok/s.
+It prints a short table last and writes every number to DIR/gpu_check.json. --tiny shrinks every shape so the
+same code runs in seconds on a CPU (the test suite does that); --device cpu without --tiny is allowed but slow."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A llama-shaped model (27B-like by default: 64 layers, hidden 5120, GQA 40/8 x 128)."""
+    layers: int = 64
+    hidden: int = 5120
+    heads: int = 40
+    kv_heads: int = 8
+    head_dim: int = 128
+    intermediate: int = 22016
+    vocab: int = 32000
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return {"q_proj": (q, self.hidden), "k_proj": (kv, self.hidden), "v_proj": (kv, self.hidden),
+                "o_proj": (self.hidden, q), "gate_proj": (self.intermediate, self.hidden),
+                "up_proj": (self.intermediate, self.hidden), "down_proj": (self.hidden, self.intermediate)}
+
+
+TINY = Shape(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=512)
+FORMATS = ("int8", "int4_asym", "ternary")
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+def timer(device: torch.device):
+    """fn -> median milliseconds: CUDA events through triton.testing.do_bench on a GPU, perf_counter elsewhere."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def cpu_time(fn):
+        fn()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    return cpu_time
+
+
+# ---------------------------------------------------------------------------------------------------- pieces
+def environment(device: torch.device) -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "device": str(device)}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, capability=f"sm_{p.major}{p.minor}", memory_gib=round(p.total_memory / GIB, 1),
+                   multiprocessors=p.multi_processor_count)
+    return env
+
+
+def kernel_tests(device: torch.device, out: Path) -> dict:
+    env = dict(os.environ, NINFER_TEST_DEVICE=device.type, HF_HUB_OFFLINE="1")
+    files = ["tests/kernels/test_quant.py", "tests/kernels/test_qlinear.py", "tests/kernels/test_elementwise.py",
+             "tests/kernels/test_paged_attention.py"]
+    t0 = time.perf_counter()
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
+                         env=env, capture_output=True, text=True)
+    (out / "kernel_tests.log").write_text(run.stdout + run.stderr)
+    summary = next((line for line in reversed(run.stdout.splitlines()) if " in " in line and "=" in line), "")
+    return {"returncode": run.returncode, "summary": summary.strip("= "), "seconds": time.perf_counter() - t0}
+
+
+def ceilings(device: torch.device, tiny: bool, ms) -> dict:
+    n = (16 if tiny else 1024) * 2**20
+    a = torch.randn(n // 4, device=device)
+    b = torch.empty_like(a)
+    copy_ms = ms(lambda: b.copy_(a))
+    dim = 256 if tiny else 8192
+    x = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
+    y = torch.randn(dim, dim, device=device, dtype=torch.bfloat16)
+    mm_ms = ms(lambda: x @ y)
+    return {"copy_gbps": 2 * n / copy_ms / 1e6, "bf16_tflops": 2 * dim**3 / mm_ms / 1e9}
+
+
+def random_weight(fmt: str, out_f: int, in_f: int, device: torch.device):
+    """A QuantizedWeight of random codes and scales, built on the device (never all zeros)."""
+    from kernels.quant import QuantizedWeight
+
+    group = {"int8": in_f, "int4_asym": 32, "ternary": 64}[fmt]
+    per_byte = {"int8": 1, "int4_asym": 2, "ternary": 4}[fmt]
+    if fmt == "int8":
+        q = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8, device=device)
+    elif fmt == "ternary":  # 2-bit codes 0..2 (3 is not a ternary value), four to a byte
+        c = torch.randint(0, 3, (out_f, in_f // 4, 4), dtype=torch.uint8, device=device)
+        q = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+    else:
+        q = torch.randint(0, 256, (out_f, in_f // per_byte), dtype=torch.uint8, device=device)
+    groups = in_f // group
+    scale_dtype = torch.float32 if fmt == "int8" else torch.float16
+    scales = (torch.rand(out_f, groups, device=device) * 0.02 + 0.001).to(scale_dtype)
+    mins = (torch.randn(out_f, groups, device=device) * 0.01).to(torch.float16) if fmt == "int4_asym" else None
+    return QuantizedWeight(fmt, q.contiguous(), scales, mins, group, (out_f, in_f))
+
+
+def gemv(device: torch.device, shape: Shape, ms, copy_gbps: float) -> list[dict]:
+    from kernels import dispatch
+
+    rows = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for fmt in FORMATS:
+        for name in ("q_proj", "gate_proj", "down_proj"):
+            out_f, in_f = shape.linears()[name]
+            w = random_weight(fmt, out_f, in_f, device)
+            x = torch.randn(1, in_f, device=device, dtype=dtype)
+            t = ms(lambda: dispatch.linear(x, w))
+            gbps = w.nbytes / t / 1e6
+            rows.append({"format": fmt, "layer": name, "shape": [out_f, in_f], "us": t * 1e3, "gbps": gbps,
+                         "pct_copy": 100 * gbps / copy_gbps})
+    return rows
+
+
+def attention(device: torch.device, shape: Shape, ms, tiny: bool) -> list[dict]:
+    from kernels import dispatch
+
+    rows = []
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    page = 64
+    for ctx in ((256, 1024) if tiny else (4096, 32768, 131072)):
+        pages = ctx // page
+        k = torch.randn(pages, page, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
+        v = torch.randn_like(k)
+        q = torch.randn(1, shape.heads, shape.head_dim, device=device, dtype=dtype)
+        table = torch.randperm(pages, device=device, dtype=torch.int32)[None]
+        lens = torch.tensor([ctx], device=device, dtype=torch.int32)
+        t = ms(lambda: dispatch.paged_decode_attention(q, k, v, table, lens))
+        kv_bytes = 2 * k.numel() * k.element_size()
+        rows.append({"context": ctx, "us": t * 1e3, "gbps": kv_bytes / t / 1e6})
+    return rows
+
+
+def synthetic_model(shape: Shape, fmt: str, device: torch.device):
+    """A LlamaModel of `shape` with random `fmt` linear weights (bf16 on CUDA, fp32 on the CPU)."""
+    from engine.model.config import ModelConfig
+    from engine.model.llama import LlamaModel
+    from engine.model.weights import LoadedWeights
+
+    cfg = ModelConfig(arch="llama", vocab_size=shape.vocab, hidden_size=shape.hidden, num_layers=shape.layers,
+                      num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                      intermediate_size=shape.intermediate, max_position=8192, name=f"synthetic-{fmt}")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tensors = {"model.embed_tokens.weight": torch.randn(shape.vocab, shape.hidden, device=device, dtype=dtype) * 0.02,
+               "model.norm.weight": torch.ones(shape.hidden, device=device, dtype=dtype),
+               "lm_head.weight": random_weight("int8", shape.vocab, shape.hidden, device)}
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = torch.ones(shape.hidden, device=device, dtype=dtype)
+        tensors[p + "post_attention_layernorm.weight"] = torch.ones(shape.hidden, device=device, dtype=dtype)
+        for name, (out_f, in_f) in shape.linears().items():
+            part = "self_attn" if name[0] in "qkvo" else "mlp"
+            tensors[f"{p}{part}.{name}.weight"] = random_weight(fmt, out_f, in_f, device)
+    weight_fmt = {"int4_asym": "int4"}.get(fmt, fmt)
+    return LlamaModel(LoadedWeights(cfg, tensors, "synthetic"), dtype, device, weight_fmt)
+
+
+def end_to_end(device: torch.device, shape: Shape, fmt: str, copy_gbps: float, cap_gib: float, tiny: bool) -> dict:
+    """Decode and prefill tok/s of the synthetic model; layers are cut (and said so) when the weights would not fit
+    the memory cap with room for the KV cache and activations."""
+    from engine.runner import ModelRunner, Work
+
+    per_layer = sum(o * i for o, i in shape.linears().values()) * {"int8": 8.25, "int4_asym": 5.0, "ternary": 2.25}[fmt] / 8
+    budget = cap_gib * GIB * 0.8 - shape.vocab * shape.hidden * 3
+    layers = max(1, min(shape.layers, int(budget // per_layer))) if device.type == "cuda" else shape.layers
+    cut = Shape(**{**shape.__dict__, "layers": layers})
+    model = synthetic_model(cut, fmt, device)
+    prompt_len, steps = (64, 4) if tiny else (2048, 32)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / torch.cuda.get_device_properties(device)
+                                                       .total_memory), device)
+        torch.cuda.reset_peak_memory_stats(device)
+    runner = ModelRunner(model, -(-(prompt_len + steps + 1) // 64), "bf16" if device.type == "cuda" else "fp32", 64)
+    pages = runner.pool.allocate(runner.pool.num_pages)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cut.vocab, (prompt_len,), generator=g).tolist()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    runner.run([Work(prompt[:64], 0, pages)])  # warm-up (kernels compile)
+    sync()
+    t0 = time.perf_counter()
+    logits = runner.run([Work(prompt, 0, pages)])[0]
+    sync()
+    prefill_s = time.perf_counter() - t0
+    token = int(logits[-1].argmax())
+    t0 = time.perf_counter()
+    for i in range(steps):
+        token = int(runner.run([Work([token], prompt_len + i, pages)])[0][-1].argmax())
+    sync()
+    decode_s = (time.perf_counter() - t0) / steps
+    kv_bytes = runner.kv.token_bytes * (prompt_len + steps / 2)
+    bytes_per_token = model.weight_bytes() + kv_bytes
+    roofline = copy_gbps * 1e9 / bytes_per_token
+    result = {"format": fmt, "layers": layers, "of_layers": shape.layers, "weight_gib": model.weight_bytes() / GIB,
+              "prefill_tokens": prompt_len, "prefill_tps": prompt_len / prefill_s, "decode_tps": 1 / decode_s,
+              "roofline_tps": roofline, "pct_roofline": 100 / decode_s / roofline}
+    if device.type == "cuda":
+        result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    del model, runner
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- report
+def table(results: dict) -> str:
+    lines = []
+    env = results["environment"]
+    lines.append(f"GPU check: {env.get('gpu', env['device'])} {env.get('capability', '')}, torch {env['torch']}, "
+                 f"CUDA {env['cuda']}, Triton {env['triton']}")
+    if "kernel_tests" in results:
+        k = results["kernel_tests"]
+        lines.append(f"kernel tests: {'pass' if k['returncode'] == 0 else 'FAIL'} ({k['summary']})")
+    c = results["ceilings"]
+    lines.append(f"ceilings: copy {c['copy_gbps']:.0f} GB/s, bf16 matmul {c['bf16_tflops']:.1f} TFLOP/s")
+    lines.append("| GEMV | layer | shape | us | GB/s | % copy |")
+    lines.append("|---|---|---|---|---|---|")
+    for r in results["gemv"]:
+        lines.append(f"| {r['format']} | {r['layer']} | {r['shape'][0]}x{r['shape'][1]} | {r['us']:.1f} | "
+                     f"{r['gbps']:.0f} | {r['pct_copy']:.0f}% |")
+    lines.append("| attention context | us | GB/s |")
+    lines.append("|---|---|---|")
+    for r in results["attention"]:
+        lines.append(f"| {r['context']} | {r['us']:.1f} | {r['gbps']:.0f} |")
+    lines.append("| model | layers | weights GiB | prefill tok/s | decode tok/s | roofline tok/s | % roofline |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for r in results["end_to_end"]:
+        lines.append(f"| {r['format']} | {r['layers']}/{r['of_layers']} | {r['weight_gib']:.2f} | "
+                     f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {r['roofline_tps']:.1f} | "
+                     f"{r['pct_roofline']:.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--tiny", action="store_true", help="small shapes (seconds on a CPU)")
+    p.add_argument("--memory-cap-gib", type=float, default=12.0)
+    p.add_argument("--skip-tests", action="store_true", help="leave out the kernel tests")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: --device cuda, but this PyTorch sees no CUDA GPU (torch.cuda.is_available() is False); "
+              "check the driver (nvidia-smi) and that torch is a CUDA build.", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    shape = TINY if args.tiny else Shape()
+    ms = timer(device)
+    results: dict = {"environment": environment(device), "tiny": args.tiny}
+    if not args.skip_tests:
+        results["kernel_tests"] = kernel_tests(device, args.out)
+    results["ceilings"] = ceilings(device, args.tiny, ms)
+    copy = results["ceilings"]["copy_gbps"]
+    results["gemv"] = gemv(device, shape, ms, copy)
+    results["attention"] = attention(device, shape, ms, args.tiny)
+    results["end_to_end"] = [end_to_end(device, shape, fmt, copy, args.memory_cap_gib, args.tiny)
+                             for fmt in ("ternary", "int4_asym")]
+    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2))
+    print(table(results))
+    failed = results.get("kernel_tests", {}).get("returncode", 0)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
