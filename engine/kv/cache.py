@@ -125,5 +125,7 @@ class KVCache:
 
 
 def _zeros(shape, dtype, device, pin: bool) -> torch.Tensor:
-    t = torch.zeros(shape, dtype=dtype, device=device)
-    return t.pin_memory() if pin else t
+    """Allocated page-locked from the start when pinned (pinning a copy would briefly need twice the memory)."""
+    if pin:
+        return torch.zeros(shape, dtype=dtype, device="cpu", pin_memory=True)
+    return torch.zeros(shape, dtype=dtype, device=device)
