@@ -101,8 +101,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         if s.tiers is not None:  # a windowed sequence: sink + retrieved + window pages (engine/kv/window.py)
             qs = q[s.q_start:s.q_start + s.q_len]
             keys, values, mask = s.tiers.context(cache, layer, qs, s.ctx_len, q.dtype)
-            o = F.scaled_dot_product_attention(qs.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                               attn_mask=mask, scale=scale, enable_gqa=True)
+            qt, kt, vt = qs.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
+            if s.q_len <= FEW_QUERIES:
+                o = grouped_attention(qt, kt, vt, mask, scale)
+            else:
+                o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
             continue
         keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype)  # [ctx, Hkv, D], dequantized to q's dtype
