@@ -122,3 +122,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         from kernels.paged_attention import paged_decode_attention as kernel
         return kernel(q, k_cache, v_cache, page_table, ctx_lens, scale)
     return reference.paged_decode_attention_ref(q, k_cache, v_cache, page_table, ctx_lens, scale)
+
+
+def kv_quant_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
+                   group: int) -> bool:
+    """Quantizes and writes KV rows with the Triton kernel where it runs (True); False leaves it to the caller's
+    PyTorch path (engine/kv/quant.py, the twin)."""
+    if not use_triton(x.device):
+        return False
+    from kernels import kv_write
+    if not kv_write.supported(x.shape[-1], group):
+        return False
+    kv_write.kv_quant_write(x, slots, codes, scales, bits, group)
+    return True
+
+
+def quest_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    if use_triton(q.device):
+        from kernels.quest import quest_bounds as kernel
+        return kernel(q, kmin, kmax)
+    return reference.quest_bounds_ref(q, kmin, kmax)

@@ -83,3 +83,13 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         o = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, scale=scale, enable_gqa=True)
         out[b] = o.squeeze(1)
     return out.to(q.dtype)
+
+
+def quest_bounds_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest bounds: q [T, Hq, D], kmin/kmax [N, Hkv, D] -> [N, T, Hkv, G] (query head h reads KV head h // G),
+    sum_i max(q_i * min_i, q_i * max_i), in float32. Twin of kernels.quest.quest_bounds."""
+    t, hq, d = q.shape
+    hkv = kmin.shape[1]
+    qg = q.float().view(t, hkv, hq // hkv, d)
+    return (torch.einsum("thgd,nhd->nthg", qg.clamp(min=0), kmax.float())
+            + torch.einsum("thgd,nhd->nthg", qg.clamp(max=0), kmin.float()))

@@ -8,6 +8,7 @@ import torch
 
 from engine.kv import quant
 from engine.kv.quant import kv_format
+from kernels import dispatch
 
 PAGE_SIZE = 64
 
@@ -72,6 +73,8 @@ class KVCache:
         if scale is None:
             data.view(-1, *data.shape[2:]).index_copy_(0, slots, x.to(data.dtype))
             return
+        if dispatch.kv_quant_write(x, slots, data, scale, bits, quant.group_size(bits, x.shape[-1])):
+            return  # quantized and written by the Triton kernel (kernels/kv_write.py)
         codes, s = quant.quantize(x, bits)
         data.view(-1, *data.shape[2:]).index_copy_(0, slots, codes)
         scale.view(-1, *scale.shape[2:]).index_copy_(0, slots, s)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.dispatch import quest_bounds, use_triton
+
 
 def page_summary(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """keys [n * page_size, Hkv, D] -> (min, max), each [n, Hkv, D] float32."""
@@ -45,7 +47,10 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block: 
     scores = []
     for i in range(0, kmin.shape[0], block):
         hi, lo = kmax[i:i + block] - mean_max, kmin[i:i + block] - mean_min
-        bound = torch.einsum("thgd,nhd->nthg", pos, hi) + torch.einsum("thgd,nhd->nthg", neg, lo)
+        if use_triton(q.device):  # kernels/quest.py
+            bound = quest_bounds(q, lo, hi)
+        else:
+            bound = torch.einsum("thgd,nhd->nthg", pos, hi) + torch.einsum("thgd,nhd->nthg", neg, lo)
         scores.append(bound.amax(dim=(1, 2, 3)))
     return torch.cat(scores) if scores else kmin.new_zeros(0)
 

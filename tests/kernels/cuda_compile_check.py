@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import paged_attention, qlinear, rms_norm, rope, silu_and_mul
+from kernels import kv_write, paged_attention, qlinear, quest, rms_norm, rope, silu_and_mul
 
 I32 = "i32"
 
@@ -68,6 +68,21 @@ def cases():
     yield ("silu_and_mul", silu_and_mul._silu_and_mul_kernel,
            {"x_ptr": "*bf16", "out_ptr": "*bf16", "N": I32, "stride_x": I32, "stride_o": I32, "BLOCK": "constexpr"},
            {"BLOCK": 1024}, 4)
+    yield from more_cases()
+
+
+def more_cases():
+    for bits, code in ((8, "*i8"), (4, "*u8")):
+        for d in (64, 128, 256):
+            g = d if bits == 8 else 32
+            yield (f"kv_quant_write int{bits} D={d}", kv_write._kv_quant_write_kernel,
+                   {"x_ptr": "*bf16", "slot_ptr": "*i64", "code_ptr": code, "scale_ptr": "*fp16", "stride_xt": I32,
+                    "stride_xh": I32, "H": I32, "D": "constexpr", "G": "constexpr", "BITS": "constexpr"},
+                   {"D": d, "G": g, "BITS": bits}, 1 if d <= 128 else 2)
+    yield ("quest", quest._quest_kernel,
+           {"q_ptr": "*fp32", "kmin_ptr": "*fp32", "kmax_ptr": "*fp32", "out_ptr": "*fp32", "N": I32, "D": I32,
+            "stride_qh": I32, "stride_qr": I32, "stride_kn": I32, "stride_kh": I32, "stride_on": I32, "stride_oh": I32,
+            "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}, {"BLOCK_N": 64, "BLOCK_D": 64}, 4)
 
 
 def ptxas_info(ptx: str, arch: int) -> dict:
