@@ -8,15 +8,20 @@ import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 from engine.model.batch import ForwardBatch
+from kernels import dispatch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if dispatch.use_triton(x.device):  # on CUDA: the fused Triton kernel (kernels/rms_norm.py), same semantics
+        return dispatch.rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    if dispatch.use_triton(gate_up.device):
+        return dispatch.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -54,6 +59,8 @@ class Rotary:
         """x: [T, H, D]; rotates each head of each token by its position."""
         if max_position >= self.cos.shape[0]:
             self._extend(max_position + 1)
+        if dispatch.use_triton(x.device):
+            return dispatch.rope(x, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         half = x.shape[-1] // 2
@@ -107,6 +114,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             else:
                 o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+            continue
+        if s.q_len == 1 and dispatch.use_triton(q.device) and not cache.format.quantized:
+            # decode on CUDA: the Triton kernel reads the pages in place (kernels/paged_attention.py)
+            out[s.q_start:s.q_start + 1] = dispatch.paged_decode_attention(
+                q[s.q_start:s.q_start + 1], cache.k[layer], cache.v[layer], s.pages[None],
+                torch.tensor([s.ctx_len], device=q.device), scale)
             continue
         keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype)  # [ctx, Hkv, D], dequantized to q's dtype
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
