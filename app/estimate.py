@@ -21,8 +21,6 @@ MIB = 2**20
 SEGMENTS = (("weights", "weights", ("weights",)), ("draft", "draft", ("draft", "draft_kv")),
             ("kv", "KV", ("kv",)), ("host_kv", "host KV", ("host_kv",)),
             ("other", "workspace", ("activations", "state", "runtime")), ("headroom", "headroom", ("headroom",)))
-# A ledger note that describes an older engine (low-bit GGUF weights now stay as stored): not shown to users
-_STALE_NOTES = ("today's engine dequantizes them at load",)
 
 
 @dataclass
@@ -230,5 +228,4 @@ def estimate(info: ModelInfo, settings: Any, report: Any) -> MemoryEstimate:
     if gpu is not None:
         capacity["gpu"] = int(vram_total) * MIB
     problems = [(p.level, p.message, p.remedy) for p in ledger.check()]
-    notes = [n for n in ledger.notes if not any(stale in n for stale in _STALE_NOTES)]
-    return MemoryEstimate(ledger, "cuda" if gpu is not None else "cpu", capacity, problems, notes)
+    return MemoryEstimate(ledger, "cuda" if gpu is not None else "cpu", capacity, problems, list(ledger.notes))

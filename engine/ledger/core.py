@@ -202,11 +202,6 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     what = f"{wdtype}, {shape.params / 1e9:.2f} B params" if wdtype != "auto" else \
         f"as stored: {shape.stored_format or 'bf16'}"
     add("weights", f"weights ({what})", weights, note="" if include_weights else "already loaded")
-    if wdtype == "auto" and shape.source != "synthetic" and include_weights:
-        today = "bf16" if on_gpu else "fp32"
-        if shape.weight_bytes(today) != weights:
-            notes.append(f"Weights are planned as stored in the file; today's engine dequantizes them at load to "
-                         f"{today} ({_mib(shape.weight_bytes(today))}): pass --weight-dtype {today} to plan for that.")
     draft_bytes, draft_page_bytes, draft_name = 0, 0, ""
     if spec == "mtp":
         draft_bytes = round(shape.mtp_params() * shape.weight_bytes(wdtype) / max(shape.params, 1))
