@@ -254,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", choices=("ngram", "draft", "mtp"), default=None,
                    help="instead: decode speed with this speculative method vs without, on repetitive, code and "
                         "prose content (greedy, stops at end of turn; --gen-tokens is the most generated)")
+    p.add_argument("--warm-prefix", action="store_true",
+                   help="instead: time to first token of a --prompt-tokens prompt sent cold, then again (its cached "
+                        "prefix reused), then with one token changed at the end")
     p.add_argument("--draft-model", default=None, help="the draft model for --spec draft")
     p.add_argument("--draft-tokens", type=int, default=0, help="draft length ceiling for --spec (0: its default)")
     p.add_argument("--kv-window", type=int, default=0,
@@ -292,7 +295,7 @@ def _run(args, command: str) -> int:
         loaded = build_engine(args.model, device=args.device, weight_dtype=weights, kv_dtype=args.dtype,
                               max_concurrency=1, threads=args.threads,
                               max_context=args.max_context or (4096 if args.spec else 0),
-                              max_shared_prefixes=0,  # every run prefills the whole prompt
+                              max_shared_prefixes="auto" if args.warm_prefix else 0,  # else: every run prefills
                               kv_window=args.kv_window, kv_retrieve=args.kv_retrieve, host_kv_mib=args.host_kv_mib,
                               **spec)
     except NInferError as err:
@@ -304,6 +307,8 @@ def _run(args, command: str) -> int:
         return 2
     if args.spec:
         return _run_spec(args, loaded, threads, command)
+    if args.warm_prefix:
+        return _run_warm_prefix(args, loaded, command)
     prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
     theirs = ratio = None
     with LoadMeter() as meter:
@@ -345,6 +350,29 @@ def _run(args, command: str) -> int:
                       repeat=args.repeat, ninfer=ours, transformers=theirs, ratio=ratio,
                       via_api=api if args.via_api else None)
         args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _run_warm_prefix(args, loaded, command: str) -> int:
+    from engine.sampling import SamplingParams
+
+    engine = loaded.engine.start()
+    prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
+    rows = []
+    try:
+        for label, ids in (("cold", prompt), ("warm (same prompt)", prompt),
+                           ("warm (last token changed)", prompt[:-1] + [prompt[0]])):
+            before = engine.stats()["prefix_hit_tokens"]
+            t0 = time.perf_counter()
+            next(iter(engine.submit(list(ids), SamplingParams(max_tokens=1, temperature=0.0))))
+            rows.append((label, time.perf_counter() - t0, engine.stats()["prefix_hit_tokens"] - before))
+    finally:
+        engine.shutdown()
+    lines = [f"NInfer prefix-reuse benchmark: {command.strip()}", "",
+             "| request | TTFT (ms) | vs cold | prompt tokens reused |", "|---|---|---|---|"]
+    for label, seconds, hit in rows:
+        lines.append(f"| {label} | {seconds * 1e3:.1f} | {seconds / rows[0][1]:.4f} | {hit} of {len(prompt)} |")
+    print("\n".join(lines))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The llama.cpp peer of ninfer-bench: refused with the install command when absent; its runs are summarised like
+"""ninfer-bench modes beyond the transformers comparison: the llama.cpp peer (refused with the install command when
 the other engines' (greedy settings asked for, warm-up dropped, TTFT and decode split at the first token)."""
 from __future__ import annotations
 
@@ -47,3 +47,18 @@ def test_runs_are_greedy_and_summarised(tmp_path):
     assert result["tokens"] == [10, 11, 12, 13, 14] and len(result["runs"]) == 2
     assert result["weight_bytes"] == 1000 and result["bytes_per_decode_token"] == 1000 + 100 * (3 + 2.5)
     assert result["decode_tps"] > 0 and result["ttft_s"] >= 0
+
+
+def test_warm_prefix_reuses_the_cached_pages(tmp_path, capsys):
+    """ninfer-bench --warm-prefix: the second identical prompt reuses every full page; one changed last token
+    still reuses all full pages before it."""
+    from engine.bench import main
+    from tests.engine.spec_models import tiny_folder
+
+    folder = tiny_folder(tmp_path, "t", 1)
+    assert main([str(folder), "--warm-prefix", "--prompt-tokens", "200", "--gen-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "TTFT" not in line}
+    assert "| 0 of 200 |" in rows["cold"]
+    assert "| 192 of 200 |" in rows["warm (same prompt)"]  # three full 64-token pages
+    assert "| 192 of 200 |" in rows["warm (last token changed)"]
