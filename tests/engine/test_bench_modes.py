@@ -1,5 +1,6 @@
 """ninfer-bench modes beyond the transformers comparison: the llama.cpp peer (refused with the install command when
-the other engines' (greedy settings asked for, warm-up dropped, TTFT and decode split at the first token)."""
+absent; its runs summarised like the other engines': greedy settings, warm-up dropped, TTFT and decode split at the
+first token) and --warm-prefix."""
 from __future__ import annotations
 
 import sys
