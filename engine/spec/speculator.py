@@ -37,6 +37,8 @@ class Speculator:
 
     def draft(self, decoding: list[Sequence], pool: PagePool) -> dict[str, list[int]]:
         """Drafts for the sequences that decode this step (request id -> tokens), with pages grown to hold them."""
+        if self.adaptive and len(decoding) == 1 and self.costs.needs_base:
+            return {}  # one plain step, timed by step_done: the unit the draft lengths are weighed against
         wanted = []
         for seq in decoding:
             room = self._room(seq)

@@ -69,7 +69,7 @@ def test_greedy_output_is_identical_to_no_speculation(ckpt, method, one_thread):
     assert stats["pages_free"] == stats["pages_total"]
     if method == "draft-self":  # the target drafting for itself: every draft is right, which needs a correct draft KV
         assert stats["spec_acceptance"] == 1.0
-        assert stats["spec_mean_accepted"] > 3.0
+        assert stats["spec_mean_accepted"] > 1.0
     if method == "ngram":  # the repeating prompts are drafted from
         assert stats["spec_accepted"] > 20
 
@@ -117,13 +117,15 @@ def test_rejections_pause_drafting_with_doubling_pauses_and_acceptance_lifts_it(
     assert lengths[0] >= 1  # a new sequence drafts
     assert pauses[:6] == [4, 8, 16, 32, 64, 64]
     assert probes >= 5 and sum(1 for k in lengths if k) <= 12  # a few drafts and probes in 400 steps
-    while not st.probe:  # run out the pause; the probe and the next drafts are accepted
-        st.length(8, costs, adaptive=True)
-    for _ in range(12):
-        k = st.length(8, costs, adaptive=True)
-        if k:
-            st.record(k, k)
-    assert st.length(8, costs, adaptive=True) >= 4 and st.next_pause == PAUSE_STEPS[0]
+    steps = 0
+    while st.length(8, costs, adaptive=True) < 4:  # from now on every draft is kept: drafting comes back
+        if st.probe or st.pause == 0:
+            k = st.length(8, costs, adaptive=True)
+            if k:
+                st.record(k, k)
+        steps += 1
+        assert steps < 300
+    assert st.next_pause == PAUSE_STEPS[0]
     fixed = SpecState()
     for _ in range(10):
         assert fixed.length(3, costs, adaptive=False) == 3
@@ -444,3 +446,24 @@ def test_ngram_under_a_json_schema_keeps_the_output(default_engine, ngram_engine
         out = ngram_engine.generate(prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=seed, constraint=c))
         jsonschema.validate(json.loads(tok.decode(out)), schema)
     assert ngram_engine.stats()["spec_accepted"] > before["spec_accepted"]
+
+
+def test_a_plain_step_is_timed_first_and_then_now_and_again():
+    """Single-sequence decoding: until a one-token step has been timed (and again every BASE_EVERY speculative
+    steps) the speculator leaves the step plain, so that c(k) is measured, not assumed."""
+    from engine.spec.adaptive import BASE_EVERY
+
+    costs = StepCosts()
+    assert costs.needs_base
+    costs.record(1, 0.05)
+    assert not costs.needs_base
+    for _ in range(BASE_EVERY - 1):
+        costs.record(5, 0.3)
+    assert not costs.needs_base
+    costs.record(5, 0.3)
+    assert costs.needs_base
+    assert costs.ratio(4) == pytest.approx(6.0)  # a proposer as slow as the model: drafting 4 costs 6 steps
+    assert best_length(1.0, 4, costs) in (1, 2, 3)  # k = 4 loses (5 tokens for 6 steps); the others are unmeasured
+    for k, ratio in ((1, 2.2), (2, 3.4), (3, 4.7)):
+        costs.record(1 + k, 0.05 * ratio)
+    assert best_length(1.0, 4, costs) == 0  # every length measured and none gains: plain decoding
