@@ -1,7 +1,7 @@
 """What one forward pass computes: a flat run of tokens from several sequences, and where their KV lives."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,12 +13,24 @@ class SeqSlice:
     ctx_len: int  # tokens in its KV after this step (earlier context + q_len)
     pages: torch.Tensor | None  # page ids covering ctx_len tokens, in order (None for a windowed sequence)
     tiers: "object | None" = None  # engine.kv.window.TieredPages of a windowed sequence, prepared for this step
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per-step tensors every layer reuses
 
     def causal_mask(self, device) -> torch.Tensor:
-        """[q_len, ctx_len] bool: token i of this step sees the earlier context and tokens up to itself."""
-        offset = self.ctx_len - self.q_len
-        rows = torch.arange(self.q_len, device=device).unsqueeze(1) + offset
-        return torch.arange(self.ctx_len, device=device).unsqueeze(0) <= rows
+        """[q_len, ctx_len] bool: token i of this step sees the earlier context and tokens up to itself (built once
+        per step, shared by every layer)."""
+        key = ("mask", str(device))
+        if key not in self._memo:
+            offset = self.ctx_len - self.q_len
+            rows = torch.arange(self.q_len, device=device).unsqueeze(1) + offset
+            self._memo[key] = torch.arange(self.ctx_len, device=device).unsqueeze(0) <= rows
+        return self._memo[key]
+
+    def ctx_lens(self, device) -> torch.Tensor:
+        """[1] int32 ctx_len on the device, for the paged-attention kernel (built once per step)."""
+        key = ("ctx", str(device))
+        if key not in self._memo:
+            self._memo[key] = torch.tensor([self.ctx_len], dtype=torch.int32, device=device)
+        return self._memo[key]
 
 
 @dataclass

@@ -119,7 +119,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             # decode on CUDA: the Triton kernel reads the pages in place (kernels/paged_attention.py)
             out[s.q_start:s.q_start + 1] = dispatch.paged_decode_attention(
                 q[s.q_start:s.q_start + 1], cache.k[layer], cache.v[layer], s.pages[None],
-                torch.tensor([s.ctx_len], device=q.device), scale)
+                s.ctx_lens(q.device), scale)
             continue
         keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype)  # [ctx, Hkv, D], dequantized to q's dtype
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
