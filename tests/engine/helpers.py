@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -267,3 +268,23 @@ def wait_idle(engine: Engine, timeout: float = 30.0) -> dict:
                 return s
         time.sleep(0.02)
     raise AssertionError(f"engine did not go idle: {engine.stats()}")
+
+
+def consume_with_aborts(stream, mode: str, after_tokens: int, delay: float, results: dict, failures: dict,
+                        timeout: float = 60) -> None:
+    """Reads a request's stream, aborting it by `mode`: "random_time" (after `delay` seconds), "mid_decode" (once
+    `after_tokens` tokens arrived) or anything else (never). Puts (tokens, last output) into results, or the error
+    into failures, under the request id."""
+    tokens, last = [], None
+    try:
+        if mode == "random_time":
+            time.sleep(delay)
+            stream.abort()
+        while last is None or not last.finished:
+            last = stream.get(timeout=timeout)
+            tokens.extend(last.token_ids)
+            if mode == "mid_decode" and len(tokens) >= after_tokens and not last.finished:
+                stream.abort()
+        results[stream.request_id] = (tokens, last)
+    except Exception as e:
+        failures[stream.request_id] = f"{type(e).__name__}: {e} after {len(tokens)} tokens"

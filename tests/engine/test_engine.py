@@ -15,7 +15,7 @@ from engine.engine import ContextLengthError, Engine
 from engine.errors import NInferError
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from tests.engine.helpers import collect, make_engine, make_runner, random_prompt, run_concurrently, wait_idle
+from tests.engine.helpers import collect, consume_with_aborts, make_engine, make_runner, random_prompt, run_concurrently, wait_idle
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. Books, which "
@@ -258,19 +258,7 @@ def test_random_aborts_return_every_page(tiny_runner):
         threads = []
 
         def consume(stream, mode, after_tokens, delay):
-            tokens, last = [], None
-            try:
-                if mode == "random_time":
-                    time.sleep(delay)
-                    stream.abort()
-                while last is None or not last.finished:
-                    last = stream.get(timeout=60)
-                    tokens.extend(last.token_ids)
-                    if mode == "mid_decode" and len(tokens) >= after_tokens and not last.finished:
-                        stream.abort()
-                results[stream.request_id] = (tokens, last)
-            except Exception as e:  # reported below, with the engine's state
-                failures[stream.request_id] = f"{type(e).__name__}: {e} after {len(tokens)} tokens"
+            consume_with_aborts(stream, mode, after_tokens, delay, results, failures)
 
         for i in range(100):
             mode = rng.choice(["none", "none", "before_start", "mid_prefill", "mid_decode", "random_time"])

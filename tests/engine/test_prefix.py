@@ -18,7 +18,7 @@ from engine.kv.pages import PagePool
 from engine.kv.prefix import PrefixCache, resolve_max_shared_prefixes
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from tests.engine.helpers import PAGE, collect, our_model, random_prompt, run_concurrently, wait_idle
+from tests.engine.helpers import PAGE, collect, consume_with_aborts, our_model, random_prompt, run_concurrently, wait_idle
 
 VOCAB = 512  # the tiny models' vocabulary
 
@@ -406,19 +406,7 @@ def test_thousand_requests_with_random_aborts_leave_every_page_accounted_for(tin
     modes: dict[str, str] = {}
 
     def consume(stream, mode, after_tokens, delay):
-        tokens, last = [], None
-        try:
-            if mode == "random_time":
-                time.sleep(delay)
-                stream.abort()
-            while last is None or not last.finished:
-                last = stream.get(timeout=120)
-                tokens.extend(last.token_ids)
-                if mode == "mid_decode" and len(tokens) >= after_tokens and not last.finished:
-                    stream.abort()
-            results[stream.request_id] = (tokens, last)
-        except Exception as e:
-            failures[stream.request_id] = f"{type(e).__name__}: {e}"
+        consume_with_aborts(stream, mode, after_tokens, delay, results, failures, timeout=120)
 
     try:
         for wave in range(25):
