@@ -54,7 +54,8 @@ class Engine:
             runner, window=kv_window, retrieve=kv_retrieve, ring=kv_ring, chunk=prefill_chunk,
             allow_lossy=allow_lossy_window, speculative=getattr(speculator, "needs_hidden", False))
         self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk, self.prefix, self.tiers,
-                                   host_backed_prefixes(runner, self.prefix, kv_reuse_hostbacked))
+                                   host_backed_prefixes(runner, self.prefix, kv_reuse_hostbacked),
+                                   kv=getattr(runner, "kv", None))  # partial prefix pages are copied in it
         self.max_context = max_context
         self.eos_ids = eos_ids
         self.speculator = speculator  # speculative decoding (engine.spec), or None

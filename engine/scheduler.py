@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from engine.kv.cache import KVCache
 from engine.kv.pages import PagePool
 from engine.kv.prefix import PrefixCache
 from engine.kv.window import TieredPages, Tiering
@@ -19,8 +20,12 @@ class Scheduler:
     its tokens recomputed later).
 
     With a prefix cache, admission first looks up the longest cached prefix of the sequence's tokens: those pages
-    are shared (read-only) and counted as computed, and only the rest is reserved. Idle cached pages count as
-    available, so a request that fits the pool is never held back by cached prefixes: allocation evicts them.
+    are shared (read-only) and counted as computed, and only the rest is reserved. Then the cached page that shares
+    the longest token prefix with the next tokens (a partial "tail" page a finished sequence left, or a full page
+    matching only in part) is copied into the sequence's own next page, and those tokens count as computed too (at
+    most len(tokens) - 1 in all). A sequence that releases its pages leaves its partial last page as such a tail.
+    Idle cached pages count as available, so a request that fits the pool is never held back by cached prefixes:
+    allocation evicts them.
 
     With KV tiers (engine/kv/window.py), a sequence longer than the window (or every one, with ring on) runs
     windowed: at admission, or when it outgrows the window while decoding, it takes its fixed GPU footprint and
@@ -28,9 +33,11 @@ class Scheduler:
     in prefix reuse."""
 
     def __init__(self, pool: PagePool, max_concurrency: int, prefill_chunk: int, prefix: PrefixCache | None = None,
-                 tiers: Tiering | None = None, host_prefix=None):
-        """`host_prefix`: an engine.kv.hostprefix.HostPrefixStore (prefix pages evicted to the host come back)."""
+                 tiers: Tiering | None = None, host_prefix=None, kv: KVCache | None = None):
+        """`host_prefix`: an engine.kv.hostprefix.HostPrefixStore (prefix pages evicted to the host come back);
+        `kv`: the pool's KV tensors, for copies of partial pages (None: only full pages are reused)."""
         self.pool = pool
+        self.kv = kv
         self.tiers = tiers
         self.host_prefix = host_prefix
         self.max_concurrency = max_concurrency
@@ -41,7 +48,8 @@ class Scheduler:
         self.preemptions = 0
         self._readmit: dict[int, Sequence] = {}  # id -> preempted sequence: its next admission is a recompute
         self.prefix_counters = dict(prefix_hits=0, prefix_hit_tokens=0, prefix_prompt_tokens=0,
-                                    prefix_recompute_hit_tokens=0)
+                                    prefix_recompute_hit_tokens=0, prefix_partial_copies=0,
+                                    prefix_partial_tokens=0)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -78,6 +86,8 @@ class Scheduler:
     def _release(self, seq: Sequence) -> None:
         if isinstance(seq.pages, TieredPages):
             self.tiers.release(seq.pages)
+        elif self.prefix is not None and self.kv is not None and seq.pages:
+            self.prefix.keep_tail(seq)  # its partial last page stays cached (idle) for copies
         self.pool.deallocate(seq.pages)
         seq.pages = []
 
@@ -128,6 +138,7 @@ class Scheduler:
         c["prefix_hit_ratio"] = c["prefix_hit_tokens"] / c["prefix_prompt_tokens"] if c["prefix_prompt_tokens"] else 0.0
         cache = self.prefix
         c.update(prefix_cached_pages=cache.num_pages if cache else 0, prefix_chains=cache.num_chains if cache else 0,
+                 prefix_tail_pages=cache.num_tails if cache else 0,
                  prefix_evicted_pages=cache.evicted_pages if cache else 0,
                  max_shared_prefixes=cache.max_chains if cache else 0)
         store = self.host_prefix
@@ -155,20 +166,29 @@ class Scheduler:
             if from_host:
                 self.host_prefix.load(from_host, seq.pages[len(shared):len(shared) + len(from_host)])
         seq.num_computed = (len(shared) + len(from_host)) * self.pool.page_size
+        copied = 0
+        if self.prefix is not None and self.kv is not None and not from_host:
+            source, copied = self.prefix.match_partial(seq.tokens, hits)
+            if copied:  # copy on write: the cached page's KV into the sequence's own next page
+                self.kv.copy_pages([source.page], [seq.pages[len(shared)]])
+                seq.num_computed += copied
         recompute = self._readmit.pop(id(seq), None) is seq
         if self.prefix is None:
             return True
         self.prefix.admitted(seq, hits)
         c = self.prefix_counters
+        if copied:
+            c["prefix_partial_copies"] += 1
+            c["prefix_partial_tokens"] += copied
         if recompute:
             c["prefix_recompute_hit_tokens"] += seq.num_computed
         else:
             c["prefix_prompt_tokens"] += len(seq.tokens)
             c["prefix_hit_tokens"] += seq.num_computed
-            c["prefix_hits"] += bool(hits or from_host)
-        if hits or from_host:
-            log.debug("prefix hit: %s reuses %d of %d tokens (%d cached pages, %d from the host)%s", seq.request_id,
-                      seq.num_computed, len(seq.tokens), len(hits), len(from_host),
+            c["prefix_hits"] += bool(seq.num_computed)
+        if seq.num_computed:
+            log.debug("prefix hit: %s reuses %d of %d tokens (%d cached pages, %d from the host, %d copied)%s",
+                      seq.request_id, seq.num_computed, len(seq.tokens), len(hits), len(from_host), copied,
                       " after preemption" if recompute else "")
         return True
 

@@ -17,6 +17,20 @@ prompt starts with the same tokens shares those pages instead of computing them 
   cached child), so cached prefixes never cause a refusal.
 - ``max_chains`` bounds the distinct cached prefixes (leaves of the forest): beyond it, the least recently used idle
   chains are evicted back to the free list, up to the first page another chain or a running sequence still needs.
+
+Partial pages (copy on write). When a sequence releases its pages (finished, aborted or preempted), its partial last
+page (the computed tokens past its last full page; generated tokens included, so a chat follow-up reuses the answer
+too) stays cached as a *tail*: an entry under its last full page's entry (or a root), keyed by nothing but its
+parent and its tokens. A tail is never shared through a page table (its owner would write beyond its tokens): it is
+idle from the moment it is registered. At admission, after the full-page hits, ``match_partial`` looks among the
+children of the last hit (tails, and full pages whose tokens only partly match or lie past the cap) for the longest
+common token prefix with the next tokens, capped so that the last token is still computed; the scheduler copies that
+page into the sequence's own fresh page (``KVCache.copy_pages``) and counts those tokens as computed. A tail is
+kept only when it adds tokens: one whose tokens a sibling already starts with is not registered, and a longer one
+replaces the tails it extends. A tail is a leaf, so it counts as a cached prefix against ``max_chains`` (when its
+parent had no other child it takes over the parent's count). Tails are idle pages like others: evictable, counted
+as free, never a cause of refusal; they are not copied to a host store (a tail is under a page of tokens: cheaper
+to recompute than to keep).
 """
 from __future__ import annotations
 
@@ -24,7 +38,7 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.kv.pages import PagePool
 
@@ -52,11 +66,29 @@ def page_key(parent: bytes, tokens) -> bytes:
 
 @dataclass(eq=False)
 class Entry:
-    key: bytes
+    key: bytes | None  # None for a tail (a partial page, never looked up by key)
     page: int
     tokens: tuple[int, ...]
     parent: "Entry | None"
-    children: int = 0  # cached entries whose parent this is
+    kids: dict = field(default_factory=dict)  # page -> cached entry whose parent this is (full pages and tails)
+
+    @property
+    def children(self) -> int:
+        return len(self.kids)
+
+    @property
+    def is_tail(self) -> bool:
+        return self.key is None
+
+
+def common_prefix(a, b) -> int:
+    """The number of leading tokens a and b share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(eq=False)
@@ -74,8 +106,9 @@ class PrefixCache:
         self.pool = pool
         self.page_size = pool.page_size
         self.max_chains = max_chains
-        self._by_key: dict[bytes, Entry] = {}
-        self._by_page: dict[int, Entry] = {}
+        self._by_key: dict[bytes, Entry] = {}  # full pages
+        self._by_page: dict[int, Entry] = {}  # full pages and tails
+        self._roots: dict[int, Entry] = {}  # page -> entry without a parent
         self._idle: OrderedDict[int, None] = OrderedDict()  # idle cached pages, least recently released first
         self._progress: dict[int, _Progress] = {}  # id(sequence) -> its registration progress
         self._leaves = 0
@@ -111,6 +144,7 @@ class PrefixCache:
         return False
 
     def pinned(self, page: int) -> None:
+        assert not self._by_page[page].is_tail, "a tail page is never shared"
         del self._idle[page]
 
     def evict(self) -> int:
@@ -118,29 +152,30 @@ class PrefixCache:
         for page in self._idle:
             entry = self._by_page[page]
             if entry.children == 0:
-                if self.backing is not None:
-                    self.backing.store(entry)
-                self._drop(entry)
-                self.evicted_pages += 1
+                self._evicted(entry)
                 return page
         raise MemoryError("no idle cached page to evict")  # cannot happen: idle pages' cached children are idle
 
     # ---- what the scheduler asks -----------------------------------------------------------------------------
     @property
     def num_pages(self) -> int:
-        """Cached pages in all, held by sequences or idle."""
+        """Cached pages in all (full and tails), held by sequences or idle."""
         return len(self._by_page)
+
+    @property
+    def num_tails(self) -> int:
+        return len(self._by_page) - len(self._by_key)
 
     def is_cached(self, page: int) -> bool:
         return page in self._by_page
 
     @property
     def num_chains(self) -> int:
-        """Distinct cached prefixes: the leaves of the forest."""
+        """Distinct cached prefixes: the leaves of the forest (a tail is one)."""
         return self._leaves
 
     def reusable_tokens(self, num_tokens: int) -> int:
-        """The most a hit may cover for a sequence of num_tokens tokens (the last one is always computed)."""
+        """The most a full-page hit may cover for a sequence of num_tokens tokens (the last one is always computed)."""
         return max(num_tokens - 1, 0) // self.page_size * self.page_size
 
     def match(self, tokens: list[int]) -> list[Entry]:
@@ -157,6 +192,21 @@ class PrefixCache:
             found.append(entry)
             parent = entry
         return found
+
+    def match_partial(self, tokens: list[int], hits: list[Entry]) -> tuple[Entry | None, int]:
+        """After the full-page hits: the cached child of the last hit (a root, without hits) whose tokens share the
+        longest prefix with the next tokens, and that length (0: none). At most len(tokens) - 1 tokens are reused
+        in all. The caller copies the entry's page into its own page; a tail becomes the most recently used."""
+        start = len(hits) * self.page_size
+        nxt = tokens[start:min(start + self.page_size, len(tokens) - 1)]
+        best, best_n = None, 0
+        for kid in (hits[-1].kids if hits else self._roots).values():
+            n = common_prefix(kid.tokens, nxt)
+            if n > best_n:
+                best, best_n = kid, n
+        if best is not None and best.page in self._idle:
+            self._idle.move_to_end(best.page)
+        return best, best_n
 
     def admitted(self, seq, hits: list[Entry]) -> None:
         """`seq` runs with the hit pages as the head of its page table (the scheduler shared them)."""
@@ -182,11 +232,10 @@ class PrefixCache:
             if entry is None:
                 entry = Entry(key, page, chunk, last)
                 self._by_key[key] = entry
-                self._by_page[page] = entry
-                if last is not None:
-                    self._leaves -= last.children == 0
-                    last.children += 1
-                self._leaves += 1
+                for kid in list(self._kids(last).values()):  # tails this page covers add nothing now
+                    if kid.is_tail and chunk[:len(kid.tokens)] == kid.tokens:
+                        self._drop_idle(kid)
+                self._add(entry)
             elif entry.page != page:
                 if entry.tokens != chunk or entry.parent is not last:  # a key collision: stop caching this one
                     log.warning("prefix cache key collision; sequence %s is not cached further",
@@ -199,6 +248,33 @@ class PrefixCache:
                 seq.pages[n] = entry.page
             prog.pages, prog.last, last = n + 1, entry, entry
         self.trim()
+
+    def keep_tail(self, seq) -> bool:
+        """Called just before the sequence releases its pages: its partial last page (computed tokens past its last
+        full page) stays cached as a tail of its last full page, unless a cached sibling already starts with those
+        tokens. True when it was kept (the page then goes idle instead of free when released)."""
+        self.register(seq)
+        prog = self._progress.get(id(seq))
+        if prog is None or prog.seq is not seq:
+            return False
+        p = self.page_size
+        full, n = divmod(min(seq.num_computed, len(seq.tokens)), p)
+        if n == 0 or prog.pages != full or full >= len(seq.pages):
+            return False
+        page = seq.pages[full]
+        if self.pool.refcount(page) != 1 or page in self._by_page:
+            return False
+        tokens = tuple(seq.tokens[full * p:full * p + n])
+        parent = prog.last
+        for kid in list(self._kids(parent).values()):
+            if kid.tokens[:n] == tokens:  # nothing new: a longer tail or a full page starts with these tokens
+                if kid.page in self._idle:
+                    self._idle.move_to_end(kid.page)
+                return False
+            if kid.is_tail and tokens[:len(kid.tokens)] == kid.tokens:  # ours extends it
+                self._drop_idle(kid)
+        self._add(Entry(None, page, tokens, parent))
+        return True
 
     def forget(self, seq) -> None:
         """The sequence released its pages (finished, aborted or preempted)."""
@@ -216,11 +292,8 @@ class PrefixCache:
             entry = leaf
             while entry is not None and entry.children == 0 and self.pool.refcount(entry.page) == 0:
                 parent = entry.parent
-                if self.backing is not None:
-                    self.backing.store(entry)
-                self._drop(entry)
+                self._evicted(entry)
                 self.pool.give_back(entry.page)
-                self.evicted_pages += 1
                 entry = parent
 
     def clear(self) -> None:
@@ -230,35 +303,68 @@ class PrefixCache:
             self.pool.give_back(page)
         self._by_key.clear()
         self._by_page.clear()
+        self._roots.clear()
         self._progress.clear()
         self._leaves = 0
 
+    def _kids(self, parent: Entry | None) -> dict[int, Entry]:
+        return parent.kids if parent is not None else self._roots
+
+    def _add(self, entry: Entry) -> None:
+        self._by_page[entry.page] = entry
+        kids = self._kids(entry.parent)
+        self._leaves -= entry.parent is not None and not kids
+        kids[entry.page] = entry
+        self._leaves += 1
+
+    def _evicted(self, entry: Entry) -> None:
+        """An idle leaf leaves the cache for room (its page is handed out or given back by the caller)."""
+        if self.backing is not None and not entry.is_tail:
+            self.backing.store(entry)
+        self._drop(entry)
+        self.evicted_pages += 1
+
+    def _drop_idle(self, entry: Entry) -> None:
+        """Forgets an idle tail that another entry makes useless; its page is free again."""
+        assert entry.is_tail and self.pool.refcount(entry.page) == 0
+        self._drop(entry)
+        self.pool.give_back(entry.page)
+
     def _drop(self, entry: Entry) -> None:
         assert entry.children == 0
-        del self._by_key[entry.key]
+        if entry.key is not None:
+            del self._by_key[entry.key]
         del self._by_page[entry.page]
         self._idle.pop(entry.page, None)
+        kids = self._kids(entry.parent)
+        del kids[entry.page]
         self._leaves -= 1
-        parent = entry.parent
-        if parent is not None:
-            parent.children -= 1
-            self._leaves += parent.children == 0
+        self._leaves += entry.parent is not None and not kids
 
     # ---- checks ----------------------------------------------------------------------------------------------
     def check(self) -> None:
-        """Asserts the cache's invariants (for tests): counts, forest closure, idle pages unheld."""
-        children: dict[int, int] = {}
+        """Asserts the cache's invariants (for tests): counts, forest closure, idle pages unheld, tails idle and
+        partial, no tail that a sibling starts with."""
+        p = self.page_size
         for key, entry in self._by_key.items():
-            assert entry.key == key and self._by_page[entry.page] is entry
-            assert entry.parent is None or self._by_key.get(entry.parent.key) is entry.parent
+            assert entry.key == key and self._by_page[entry.page] is entry and len(entry.tokens) == p
             assert page_key(entry.parent.key if entry.parent else b"", entry.tokens) == key
-            if entry.parent is not None:
-                children[id(entry.parent)] = children.get(id(entry.parent), 0) + 1
-        assert len(self._by_page) == len(self._by_key)
-        for entry in self._by_key.values():
-            assert entry.children == children.get(id(entry), 0)
-            held = self.pool.refcount(entry.page) > 0
-            assert held != (entry.page in self._idle)
+        for page, entry in self._by_page.items():
+            assert entry.page == page
+            assert entry.parent is None or self._by_page.get(entry.parent.page) is entry.parent
+            assert entry.parent is None or not entry.parent.is_tail
+            assert self._kids(entry.parent).get(page) is entry
+            for kid in entry.kids.values():
+                assert kid.parent is entry
+            held = self.pool.refcount(page) > 0
+            assert held != (page in self._idle)
             if held and entry.parent is not None:
                 assert self.pool.refcount(entry.parent.page) > 0
-        assert self._leaves == sum(1 for e in self._by_key.values() if e.children == 0)
+            if entry.is_tail:
+                assert 0 < len(entry.tokens) < p and not held and not entry.kids
+                for sib in self._kids(entry.parent).values():
+                    assert sib is entry or sib.tokens[:len(entry.tokens)] != entry.tokens, "a redundant tail"
+        assert all(e.parent is None for e in self._roots.values())
+        assert len(self._by_page) == len(self._by_key) + sum(e.is_tail for e in self._by_page.values())
+        assert set(self._idle) <= set(self._by_page)
+        assert self._leaves == sum(1 for e in self._by_page.values() if e.children == 0)
