@@ -265,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-retrieve", type=int, default=0, help="NInfer only: older tokens brought back per step")
     p.add_argument("--host-kv-mib", type=int, default=0, help="NInfer only: host KV memory for --kv-window")
     p.add_argument("--max-context", type=int, default=0, help="NInfer's context (0: the model's)")
+    p.add_argument("--prefill-cublas", action="store_true",
+                   help="NInfer only: low-bit layers run prefill chunks as dense matmuls (--prefill-cublas true)")
+    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="NInfer only: decode steps replayed as CUDA graphs (auto: on with CUDA and Triton)")
     p.add_argument("--via-api", action="store_true",
                    help="also measure through the HTTP server (streaming) and compare with engine-direct")
     return p
@@ -297,7 +301,7 @@ def _run(args, command: str) -> int:
                               max_context=args.max_context or (4096 if args.spec else 0),
                               max_shared_prefixes="auto" if args.warm_prefix else 0,  # else: every run prefills
                               kv_window=args.kv_window, kv_retrieve=args.kv_retrieve, host_kv_mib=args.host_kv_mib,
-                              **spec)
+                              prefill_cublas=args.prefill_cublas, cuda_graphs=args.cuda_graphs, **spec)
     except NInferError as err:
         print(f"ninfer-bench: {err}", file=sys.stderr)
         return 1

@@ -15,7 +15,7 @@ from engine.kv.cache import PAGE_SIZE, KVCache
 from engine.kv.quant import QUANT_KV_DTYPES
 from engine.kv.window import WindowSpec
 from engine.model.config import ModelConfig
-from engine.model.linear import LOW_BIT, native_format
+from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS, native_format
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_weights
 from engine.model.weights import Progress
@@ -99,7 +99,7 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
                  kv_retrieve: int = 0, kv_ring: str = "auto", host_kv_mib: int = 0, host_pageable: bool = False,
                  allow_lossy_window: bool = False, kv_reuse_hostbacked: bool = False,
                  spec: str = "none", draft_tokens: int = 0, draft_model: str | None = None,
-                 lm_head_draft: bool = False,
+                 lm_head_draft: bool = False, prefill_cublas: bool = False, cuda_graphs: str = "auto",
                  progress: Progress | None = None, cancel: threading.Event | None = None) -> LoadedEngine:
     import time
 
@@ -135,7 +135,11 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
     if host_kv_mib and not host_pages:
         raise NInferError(f"--host-kv-mib {host_kv_mib} holds no KV page of this model ({page_bytes / 2**20:.2f} MiB "
                           f"a page).", f"Raise --host-kv-mib to at least {-(-page_bytes // 2**20)}.")
-    runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not host_pageable)
+    runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not host_pageable,
+                         prefill_cublas=prefill_cublas, cuda_graphs=cuda_graphs)
+    if prefill_cublas:
+        log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s", PREFILL_DENSE_ROWS,
+                 "" if fmt else " (the weights are dense: nothing to do)")
     speculator = make_speculator(spec, target=net, runner=runner, tokenizer=tokenizer, target_path=path,
                                  draft_tokens=draft_tokens, draft_model=draft_model, lm_head_draft=lm_head_draft,
                                  weight_dtype=weight_dtype, mtp_weights=mtp_tensors)

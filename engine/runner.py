@@ -10,6 +10,8 @@ from engine.kv.host import HostPool
 from engine.kv.pages import PagePool
 from engine.kv.window import TieredPages
 from engine.model.batch import ForwardBatch, SeqSlice
+from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs
+from engine.model.linear import PREFILL_DENSE_ROWS, enable_dense_prefill
 
 
 @dataclass
@@ -24,18 +26,28 @@ class Work:
 
 class ModelRunner:
     def __init__(self, model, num_pages: int, kv_dtype: torch.dtype, page_size: int = 64, host_pages: int = 0,
-                 host_pinned: bool = True):
-        """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA."""
+                 host_pinned: bool = True, prefill_cublas: bool = False, cuda_graphs: str = "off",
+                 static_decode: bool = False):
+        """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA;
+        `prefill_cublas`: low-bit layers run chunks of PREFILL_DENSE_ROWS+ rows as dense matmuls (linear.DenseScratch);
+        `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); `static_decode`:
+        without graphs, run decode steps through the same static forward, called directly (the CPU tests)."""
         cfg = model.cfg
         self.model = model
         self.device = model.device
-        self.kv = KVCache(cfg.num_layers, num_pages, cfg.num_kv_heads, cfg.head_dim, kv_dtype, model.device,
-                          page_size)
+        capture = resolve_cuda_graphs(cuda_graphs, torch.device(model.device))
+        static = capture or static_decode  # one more KV page: the scratch page of the static batches' dummy rows
+        self.kv = KVCache(cfg.num_layers, num_pages + static, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
+                          model.device, page_size)
         self.pool = PagePool(num_pages, page_size)
         self.page_size = page_size
         self.host = HostPool(self.kv, host_pages, host_pinned) if host_pages else None
+        self.dense_prefill = enable_dense_prefill(model, PREFILL_DENSE_ROWS) if prefill_cublas else None
+        self.graphs = DecodeGraphs(self, num_pages, capture) if static else None
 
     def run(self, works: list[Work]) -> list[torch.Tensor | None]:
+        if self.graphs is not None and self.graphs.why_not(works) is None:
+            return self.graphs.run(works)
         ids, positions, slots, seqs, rows = [], [], [], [], []
         row_spans: list[tuple[int, int] | None] = []
         q_start = 0

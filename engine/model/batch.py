@@ -34,6 +34,13 @@ class SeqSlice:
 
 
 @dataclass
+class DecodeTable:
+    """A static decode batch's attention metadata (engine/model/graphs.py): one token per row, fixed shapes."""
+    page_table: torch.Tensor  # int32 [B, P]: each row's page ids (unused entries: the scratch page)
+    ctx_lens: torch.Tensor  # int32 [B]: tokens each row attends to, its own included
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
@@ -42,3 +49,4 @@ class ForwardBatch:
     kv: "object"  # engine.kv.cache.KVCache
     logit_rows: torch.Tensor | None = None  # rows to compute logits for; None = every row
     max_position: int = 0
+    decode: DecodeTable | None = None  # set for a static decode step: attention reads this table, not `seqs`

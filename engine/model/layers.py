@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 from engine.model.batch import ForwardBatch
+from engine.model.graphs import static_paged_attention
 from kernels import dispatch
 
 
@@ -99,6 +100,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                     scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens. Writes k/v into the pages, then attends each sequence
     over its whole context (earlier pages plus this step), causally within the step."""
+    if batch.decode is not None:  # a static decode step (--cuda-graphs): fixed shapes, the page-table kernel
+        return static_paged_attention(q, k, v, layer, batch, scale)
     cache = batch.kv
     cache.write(layer, batch.slots, k, v)  # quantizes for the k8/k4/v8/v4 formats
     # rk* formats keep K Hadamard-rotated: rotating this step's q (T rows) is cheaper than un-rotating every K row

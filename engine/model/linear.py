@@ -20,6 +20,9 @@ LOW_BIT = ("int8", "int4", "ternary")
 INT4_GROUP, TERNARY_GROUP = 32, 64
 Weight = torch.Tensor | QuantizedWeight
 FEW_ROWS, WIDE_OUT = 16, 16384  # see Linear.__call__
+# --prefill-cublas: rows from which a low-bit layer dequantizes and runs a dense matmul (CPU measurement in
+# docs/KERNELS.md: the crossover is 50-64 rows on SmolLM2's layers; on CUDA the kernels' own choice, not timed)
+PREFILL_DENSE_ROWS = 64
 
 
 def is_linear(name: str) -> bool:
@@ -78,13 +81,91 @@ def fuse(parts: list[Weight]) -> Weight:
                            (sum(p.out_features for p in parts), first.in_features))
 
 
+class DenseScratch:
+    """--prefill-cublas: a low-bit layer computing at least `min_rows` rows (a prefill chunk) dequantizes its weight
+    into a buffer shared by every layer of the model and runs a dense matmul (cuBLAS on CUDA, oneDNN/BLAS on the
+    CPU); fewer rows (decode) keep the low-bit GEMV. The buffers grow to the largest layer once and are then reused:
+    no dequantized copy of any layer is kept. On the CPU the weight is dequantized exactly in float32, then rounded
+    to the compute dtype (bf16 for float32 activations, as the CPU low-bit kernels compute: dispatch.CPU_COMPUTE_DTYPE;
+    measured 1.2-2.2x faster than those kernels from 64 rows, docs/KERNELS.md). Where Triton runs (CUDA) the Triton
+    dequantize kernel writes a fresh tensor instead (it has no out= argument): freed after the matmul, its block is
+    handed to the next layer of that shape by the caching allocator."""
+
+    def __init__(self, min_rows: int):
+        self.min_rows = min_rows
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.grown = 0  # buffer (re)allocations: 2 at most on the CPU after the first chunk (tested)
+
+    def _buffer(self, dtype: torch.dtype, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+        n = shape[0] * shape[1]
+        buf = self.buffers.get(dtype)
+        if buf is None or buf.numel() < n or buf.device != device:
+            buf = self.buffers[dtype] = torch.empty(max(n, 0 if buf is None else buf.numel()), dtype=dtype,
+                                                    device=device)
+            self.grown += 1
+        return buf[:n].view(shape)
+
+    def weight(self, qw: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+        """qw dequantized to `dtype`, [out, in]: a view of a shared buffer, valid until the next call."""
+        if dispatch.use_triton(qw.device):
+            return dispatch.dequantize_to(qw, dtype)
+        w = dequantize_into(qw, self._buffer(torch.float32, qw.shape, qw.device))
+        return w if dtype == torch.float32 else self._buffer(dtype, qw.shape, qw.device).copy_(w)
+
+    def linear(self, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        cd = x.dtype
+        if x.device.type == "cpu" and x.dtype == torch.float32 and dispatch.CPU_COMPUTE_DTYPE is not None:
+            cd = dispatch.CPU_COMPUTE_DTYPE
+        y = F.linear(x.to(cd), self.weight(qw, cd)).to(x.dtype)
+        return y if bias is None else y + bias.to(y.dtype)
+
+
+def dequantize_into(qw: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
+    """kernels.quant.dequantize(qw, out.dtype) written into `out` [out_features, in_features] in place, without
+    whole-matrix temporaries (codes are copied into `out`, then scaled in place). Bit-identical to `dequantize` for a
+    float32 `out` (the same float32 multiply, then add), and for every format but int4_asym in half dtypes (which
+    round after the multiply and again after the add)."""
+    fmt, (n, k) = qw.format, qw.shape
+    if fmt == "int8":
+        out.copy_(qw.qweight)
+    elif fmt.startswith("int4"):
+        pairs = out.view(n, k // 2, 2)
+        pairs[..., 0].copy_(qw.qweight & 15)
+        pairs[..., 1].copy_(qw.qweight >> 4)
+    else:
+        quads = out.view(n, k // 4, 4)
+        for s in range(4):
+            quads[..., s].copy_((qw.qweight >> (2 * s)) & 3)
+    if fmt in ("int4_sym", "ternary"):
+        out.sub_(8 if fmt == "int4_sym" else 1)
+    groups = out.view(n, qw.num_groups, qw.group_size)
+    groups.mul_(qw.scales.unsqueeze(-1))  # mixed dtypes compute in float32, as dequantize does
+    if qw.mins is not None:
+        groups.add_(qw.mins.unsqueeze(-1))
+    return out
+
+
+def enable_dense_prefill(model, min_rows: int) -> DenseScratch:
+    """Gives every low-bit linear layer of the decoder layers (not the output layer, which prefill runs on one row
+    per sequence) one shared DenseScratch."""
+    scratch = DenseScratch(min_rows)
+    for layer in model.layers:
+        for v in vars(layer).values():
+            if isinstance(v, Linear) and isinstance(v.weight, QuantizedWeight):
+                v.scratch = scratch
+    return scratch
+
+
 class Linear:
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
+        self.scratch: DenseScratch | None = None  # set by enable_dense_prefill
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, QuantizedWeight):
+            if self.scratch is not None and x.numel() >= self.scratch.min_rows * x.shape[-1]:
+                return self.scratch.linear(x, w, self.bias)
             return dispatch.linear(x, w, self.bias)
         if x.device.type == "cpu" and 1 < x.shape[0] <= FEW_ROWS and w.shape[0] >= WIDE_OUT and x.dim() == 2:
             # a few rows through a wide layer (the output layer over a verified draft): the CPU BLAS reads W

@@ -1,0 +1,215 @@
+"""--cuda-graphs: decode steps through a static forward, captured as one CUDA graph per (batch, pages) bucket.
+
+A decode step (every sequence computes one token over a plain page list) runs through fixed-size device tensors:
+input ids, positions, KV slots and context lengths [B], a page table [B, P], for B a power of two (1, 2, 4, ...)
+and P a power of two of pages. Rows past the real sequences are dummies: token 0 at position 0, written to a scratch
+KV page that the page pool never hands out, attending to that one slot. Attention reads the page table
+(`static_paged_attention`: the paged decode kernel, Triton on CUDA, for float and quantized pages), so no shape
+depends on the data. On CUDA each
+bucket is captured once (after a warm-up on a side stream) and replayed after copying the step's inputs into its
+tensors; with `capture=False` (the CPU, tests) the same static forward is called directly.
+
+Everything else runs eagerly: prefill and mixed steps, speculative verification (several tokens per sequence),
+windowed (TieredPages) sequences, and steps while MTP reads hidden states; the unusual ones are logged once.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import NInferError
+from engine.kv import quant as kv_quant
+from engine.model.batch import DecodeTable, ForwardBatch
+from kernels import dispatch
+
+log = logging.getLogger("ninfer.graphs")
+
+MAX_BATCH = 256  # the largest --max-concurrency
+# whether the paged decode kernel (and its twin) read quantized KV pages (k_scale/v_scale); else the static path
+# gathers and dequantizes the bucket's pages itself
+_KERNEL_READS_CODES = "k_scale" in inspect.signature(dispatch.paged_decode_attention).parameters
+
+
+def bucket(n: int) -> int:
+    """The smallest power of two >= n."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def resolve_cuda_graphs(setting: str, device: torch.device) -> bool:
+    """auto: on where the device is CUDA and Triton is usable (the decode attention kernel); on: the same, or a
+    clear refusal; off: never."""
+    usable = device.type == "cuda" and dispatch.use_triton(device)
+    if setting == "off" or (setting == "auto" and not usable):
+        return False
+    if setting not in ("auto", "on"):
+        raise NInferError(f"--cuda-graphs {setting} is not a choice.", "Use auto, on or off.")
+    if device.type != "cuda":
+        raise NInferError(f"--cuda-graphs on needs a CUDA GPU, but the model runs on the {device.type}.",
+                          "Use --cuda-graphs auto (on whenever a CUDA GPU runs the model) or off; or run on a "
+                          "GPU with --device cuda.")
+    if not usable:
+        raise NInferError("--cuda-graphs on needs Triton for the decode attention kernel, and Triton is not usable "
+                          "here (not installed, or NINFER_NO_TRITON is set).",
+                          "Install triton (or unset NINFER_NO_TRITON), or use --cuda-graphs auto or off.")
+    return True
+
+
+def static_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+                           scale: float) -> torch.Tensor:
+    """Decode attention of a static batch: q/k/v [B, H, D], one token per row; writes k/v to the rows' slots, then
+    every row attends over its page-table row up to its context length: the paged decode kernel (Triton where it
+    runs, its PyTorch twin otherwise). Quantized KV with a kernel that reads only float pages: the bucket's pages are
+    gathered and dequantized, and positions past each context masked (fixed shapes: [B, P * page_size])."""
+    cache, table = batch.kv, batch.decode
+    cache.write(layer, batch.slots, k, v)
+    q = cache.rotate_queries(q)
+    fmt = cache.format
+    if not fmt.quantized or _KERNEL_READS_CODES:
+        scales = dict(k_scale=cache.k_scale[layer] if fmt.k.quantized else None,
+                      v_scale=cache.v_scale[layer] if fmt.v.quantized else None) if fmt.quantized else {}
+        return dispatch.paged_decode_attention(q, cache.k[layer], cache.v[layer], table.page_table, table.ctx_lens,
+                                               scale, **scales)
+    b = table.page_table.shape[0]
+    idx = table.page_table.long().flatten()
+
+    def rows(data, scale, part):  # [B, P * page_size, Hkv, D] float32
+        x = data.index_select(0, idx)
+        if part.quantized:
+            x = kv_quant.dequantize(x, scale.index_select(0, idx), part.bits, torch.float32)
+        return x.float().view(b, -1, *x.shape[2:])
+    keys, values = rows(cache.k[layer], cache.k_scale[layer], fmt.k), rows(cache.v[layer], cache.v_scale[layer], fmt.v)
+    hkv, d = keys.shape[-2:]
+    group = q.shape[1] // hkv
+    qg = q.float().view(b, hkv, group, d)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale
+    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < table.ctx_lens.long()[:, None]  # [B, L]
+    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("bhgl,blhd->bhgd", probs, values).reshape(q.shape).to(q.dtype)
+
+
+@dataclass
+class _Static:
+    """One bucket's static tensors (its graph and output once captured or run)."""
+    batch: int
+    pages: int
+    host: torch.Tensor  # int64 [4B + B*P]: ids, positions, slots, ctx_lens, page table, filled on the host
+    flat: torch.Tensor  # the same on the device: copied in one transfer per step
+    forward: ForwardBatch
+    table64: torch.Tensor
+    ctx64: torch.Tensor
+    graph: "torch.cuda.CUDAGraph | None" = None
+    out: torch.Tensor | None = None
+    runs: int = 0
+
+
+class DecodeGraphs:
+    """The static decode path of one ModelRunner. `capture`: record CUDA graphs (CUDA only); False: call the static
+    forward directly (the same tensors and kernels, for the CPU and the tests). The runner reserves KV page
+    `scratch_page` (beyond its page pool) for the dummy rows."""
+
+    def __init__(self, runner, scratch_page: int, capture: bool):
+        if capture and runner.device.type != "cuda":
+            raise NInferError("CUDA graphs need a CUDA device.", "Use --cuda-graphs off on the CPU.")
+        self.runner, self.model, self.kv = runner, runner.model, runner.kv
+        self.capture = capture
+        self.scratch_page = scratch_page
+        self.page_size = runner.page_size
+        self.entries: dict[tuple[int, int], _Static] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.steps = 0  # decode steps run through the static path
+        self._told: set[str] = set()
+
+    # ---- which steps ------------------------------------------------------------------------------------------
+    def why_not(self, works) -> str | None:
+        """None when this step can run static; else why not (unusual reasons are logged once)."""
+        if not works or any(len(w.tokens) != 1 or w.logits not in ("last", "all") for w in works):
+            return "not a decode step"  # prefill, mixed and verification steps: expected, not logged
+        reason = None
+        if any(not isinstance(w.pages, list) for w in works):
+            reason = "a windowed (TieredPages) sequence"
+        elif getattr(self.model, "keep_hidden", False):
+            reason = "MTP drafting reads the hidden states"
+        elif len(works) > MAX_BATCH:
+            reason = f"more than {MAX_BATCH} sequences"
+        if reason and reason not in self._told:
+            self._told.add(reason)
+            log.info("CUDA graphs: decode steps with %s run eagerly", reason)
+        return reason
+
+    # ---- the static forward -----------------------------------------------------------------------------------
+    def _entry(self, batch: int, pages: int) -> _Static:
+        key = (batch, pages)
+        if key in self.entries:
+            return self.entries[key]
+        dev = self.runner.device
+        n = 4 * batch + batch * pages
+        host = torch.zeros(n, dtype=torch.long, pin_memory=self.capture)
+        flat = torch.zeros(n, dtype=torch.long, device=dev)
+        ids, positions, slots, ctx = flat[:4 * batch].view(4, batch)
+        table64 = flat[4 * batch:].view(batch, pages)
+        decode = DecodeTable(torch.zeros(batch, pages, dtype=torch.int32, device=dev),
+                             torch.zeros(batch, dtype=torch.int32, device=dev))
+        fb = ForwardBatch(input_ids=ids, positions=positions, slots=slots, seqs=[], kv=self.kv, logit_rows=None,
+                          max_position=0, decode=decode)
+        e = _Static(batch, pages, host, flat, fb, table64, ctx)
+        self._fill(e, [])  # every row a dummy while warming up and capturing
+        e.flat.copy_(e.host)
+        if self.capture:
+            self._capture(e)
+        self.entries[key] = e
+        return e
+
+    def _forward(self, e: _Static) -> torch.Tensor:
+        e.forward.decode.page_table.copy_(e.table64)  # int32 for the kernel, inside the graph
+        e.forward.decode.ctx_lens.copy_(e.ctx64)
+        return self.model.forward(e.forward)
+
+    def _capture(self, e: _Static) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles the Triton kernels, settles the allocator
+                self._forward(e)
+        torch.cuda.current_stream().wait_stream(side)
+        e.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(e.graph, pool=self.pool):
+            e.out = self._forward(e)
+        log.info("CUDA graphs: captured batch %d, %d pages", e.batch, e.pages)
+
+    def _fill(self, e: _Static, works) -> None:
+        b, ps = e.batch, self.page_size
+        h = e.host
+        h.zero_()
+        ids, positions, slots, ctx = h[:4 * b].view(4, b)
+        table = h[4 * b:].view(b, e.pages)
+        table.fill_(self.scratch_page)
+        slots.fill_(self.scratch_page * ps)
+        ctx.fill_(1)
+        for i, w in enumerate(works):
+            pos = w.start
+            used = w.pages[: pos // ps + 1]
+            ids[i], positions[i], ctx[i] = w.tokens[0], pos, pos + 1
+            slots[i] = w.pages[pos // ps] * ps + pos % ps
+            table[i, :len(used)] = torch.tensor(used, dtype=torch.long)
+
+    def run(self, works) -> list[torch.Tensor]:
+        """Logits [1, vocab] per work (copies: the static output is overwritten by the next step)."""
+        pages = bucket(max(w.start // self.page_size + 1 for w in works))
+        rotary = getattr(self.model, "rotary", None)
+        top = max(w.start for w in works)
+        if rotary is not None and top >= rotary.cos.shape[0]:  # grow the tables outside any graph, then recapture
+            rotary._extend(top + 1)
+            self.entries.clear()
+        e = self._entry(bucket(len(works)), pages)
+        self._fill(e, works)
+        e.flat.copy_(e.host)  # blocking: the host tensor is refilled next step
+        if e.graph is not None:
+            e.graph.replay()
+        else:
+            e.out = self._forward(e)
+        e.runs += 1
+        self.steps += 1
+        return [e.out[i:i + 1].clone() for i in range(len(works))]
