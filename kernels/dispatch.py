@@ -10,7 +10,7 @@ Public functions (same signatures as the twins in kernels/reference.py):
   rms_norm(x, weight, eps, residual=None)
   rope(x, positions, cos, sin)
   silu_and_mul(x)
-  paged_decode_attention(q, k_cache, v_cache, page_table, ctx_lens, scale=None)
+  paged_decode_attention(q, k_cache, v_cache, page_table, ctx_lens, scale=None, k_scale=None, v_scale=None)
 """
 from __future__ import annotations
 
@@ -117,11 +117,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-                           ctx_lens: torch.Tensor, scale: Optional[float] = None) -> torch.Tensor:
+                           ctx_lens: torch.Tensor, scale: Optional[float] = None,
+                           k_scale: Optional[torch.Tensor] = None,
+                           v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decode attention over float or quantized pages (k_scale/v_scale given: int8 or packed int4 codes, one layer
+    of the KVCache; rk* queries come rotated). Twin: reference.paged_decode_attention_ref."""
     if use_triton(q.device):
         from kernels.paged_attention import paged_decode_attention as kernel
-        return kernel(q, k_cache, v_cache, page_table, ctx_lens, scale)
-    return reference.paged_decode_attention_ref(q, k_cache, v_cache, page_table, ctx_lens, scale)
+        return kernel(q, k_cache, v_cache, page_table, ctx_lens, scale, k_scale=k_scale, v_scale=v_scale)
+    return reference.paged_decode_attention_ref(q, k_cache, v_cache, page_table, ctx_lens, scale, k_scale=k_scale,
+                                                v_scale=v_scale)
 
 
 def kv_quant_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,

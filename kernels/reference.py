@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kernels.quant import QuantizedWeight, dequantize
 
 __all__ = ["dequantize", "quant_linear_ref", "rms_norm_ref", "rope_ref", "rope_tables", "silu_and_mul_ref",
-           "paged_decode_attention_ref"]
+           "kv_dequantize_ref", "paged_decode_attention_ref"]
 
 
 def quant_linear_ref(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -60,26 +60,53 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(x.dtype)
 
 
+def kv_dequantize_ref(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """KV-cache rows [..., D] in float32 from their codes and fp16 scales (docs/KV.md; the twin of
+    engine.kv.quant.dequantize, tested bit-identical to it): int8 codes [..., D] times one scale [..., 1]; packed
+    int4 uint8 [..., D/2] (element 2j in the low nibble of byte j, stored as q + 8) times the scale of each channel's
+    group [..., D/G]. Each product is exact in float32."""
+    if codes.dtype == torch.int8:
+        q = codes.float()
+    elif codes.dtype == torch.uint8:
+        c = codes.to(torch.int32)
+        q = torch.stack(((c & 15), (c >> 4)), dim=-1).flatten(-2).float() - 8.0
+    else:
+        raise ValueError(f"KV codes must be int8 or packed int4 (uint8), got {codes.dtype}")
+    g = q.shape[-1] // scales.shape[-1]
+    return (q.unflatten(-1, (-1, g)) * scales.float().unsqueeze(-1)).flatten(-2)
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                page_table: torch.Tensor, ctx_lens: torch.Tensor,
-                               scale: Optional[float] = None) -> torch.Tensor:
+                               scale: Optional[float] = None, k_scale: Optional[torch.Tensor] = None,
+                               v_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decode query per sequence over its paged context.
 
-    q [B, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D]; page_table int [B, max_pages] (sequence b's token
-    p lives in page page_table[b, p // page_size], row p % page_size); ctx_lens [B] (tokens to attend, the query's
-    own token included). Hq % Hkv == 0 (GQA: q head h reads kv head h // (Hq // Hkv)). softmax(q.k * scale) @ v in
-    float32; a sequence with ctx_len 0 gets zeros. Returns [B, Hq, D] in q.dtype."""
+    q [B, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D] floats, or quantized codes (int8 [.., D] or packed
+    int4 uint8 [.., D/2]) with their fp16 scales k_scale/v_scale [num_pages, page_size, Hkv, D/G] (one layer of the
+    engine's KVCache; dequantized with `kv_dequantize_ref`; rk* keys are used as stored, so q must come rotated);
+    page_table int [B, max_pages] (sequence b's token p lives in page page_table[b, p // page_size], row
+    p % page_size); ctx_lens [B] (tokens to attend, the query's own token included). Hq % Hkv == 0 (GQA: q head h
+    reads kv head h // (Hq // Hkv)). softmax(q.k * scale) @ v in float32; a sequence with ctx_len 0 gets zeros.
+    Returns [B, Hq, D] in q.dtype."""
     B, Hq, D = q.shape
     page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     scale = D ** -0.5 if scale is None else scale
     out = torch.zeros(B, Hq, D, dtype=torch.float32, device=q.device)
+
+    def rows(data, scales, pages, n):
+        x = data.index_select(0, pages).flatten(0, 1)[:n]
+        if scales is None:
+            return x.float()
+        return kv_dequantize_ref(x, scales.index_select(0, pages).flatten(0, 1)[:n])
+
     for b in range(B):
         n = int(ctx_lens[b])
         if n == 0:
             continue
         pages = page_table[b, :(n + page_size - 1) // page_size].long()
-        k = k_cache.index_select(0, pages).reshape(-1, Hkv, D)[:n].float().transpose(0, 1)  # [Hkv, n, D]
-        v = v_cache.index_select(0, pages).reshape(-1, Hkv, D)[:n].float().transpose(0, 1)
+        k = rows(k_cache, k_scale, pages, n).transpose(0, 1)  # [Hkv, n, D]
+        v = rows(v_cache, v_scale, pages, n).transpose(0, 1)
         o = F.scaled_dot_product_attention(q[b].float().unsqueeze(1), k, v, scale=scale, enable_gqa=True)
         out[b] = o.squeeze(1)
     return out.to(q.dtype)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -42,19 +43,7 @@ def cases():
                 "N": I32, "K": I32, "stride_wn": I32, "stride_sn": I32, "stride_on": I32, "GROUP": I32,
                 "FMT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
                {"FMT": code, "BLOCK_N": bn, "BLOCK_K": bk}, 4)
-    strides = ("stride_qb stride_qh stride_kp stride_kt stride_kh stride_vp stride_vt stride_vh stride_ptb "
-               "stride_ob stride_oh D GROUP").split()
-    for dt, prec in (("bf16", "tf32"), ("fp32", "ieee")):
-        for d in (64, 128):
-            for group in (4,):  # every GQA group <= 16 pads to BLOCK_G 16: one compile covers them
-                block_d, warps = paged_attention.launch_params(d)
-                sig = {"q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "v_ptr": f"*{dt}", "pt_ptr": "*i32", "len_ptr": "*i32",
-                       "o_ptr": f"*{dt}", "qk_scale": "fp32", **{s: I32 for s in strides}, "PAGE": "constexpr",
-                       "BLOCK_G": "constexpr", "BLOCK_D": "constexpr", "KV_FMT": "constexpr",
-                       "PRECISION": "constexpr"}
-                yield (f"paged_attention {dt} D={d} group={group}", paged_attention._paged_decode_kernel, sig,
-                       {"PAGE": 64, "BLOCK_G": max(16, triton.next_power_of_2(group)), "BLOCK_D": block_d,
-                        "KV_FMT": paged_attention.KV_FLOAT, "PRECISION": prec}, warps)
+    yield from paged_attention_cases()
     for has_res in (False, True):
         yield (f"rms_norm res={has_res}", rms_norm._rms_norm_kernel,
                {"x_ptr": "*bf16", "r_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_ptr": "*bf16",
@@ -69,6 +58,36 @@ def cases():
            {"x_ptr": "*bf16", "out_ptr": "*bf16", "N": I32, "stride_x": I32, "stride_o": I32, "BLOCK": "constexpr"},
            {"BLOCK": 1024}, 4)
     yield from more_cases()
+
+
+def paged_attention_cases():
+    """Float pages (bf16 at D 64/128/256, fp32 at D 64/128), quantized pages (k8v8, k8v4, k4v4 = rk4v4) with bf16 queries at D
+    64/128/256 and with fp32 queries at D 64/128; D 96 pads to BLOCK_D 128 (the same compile). Precision and tiles:
+    what the wrapper picks on a GPU."""
+    strides = ("stride_qb stride_qh stride_kp stride_kt stride_kh stride_ksp stride_kst stride_ksh stride_vp stride_vt "
+               "stride_vh stride_vsp stride_vst stride_vsh stride_ptb stride_ob stride_oh D GROUP").split()
+    code_type = {8: "*i8", 4: "*u8"}
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    combos = [("bf16", 0, 0, (64, 128, 256)), ("fp32", 0, 0, (64, 128))]
+    combos += [("bf16", kb, vb, (64, 128, 256)) for kb, vb in ((8, 8), (8, 4), (4, 4))]
+    combos += [("fp32", kb, vb, (64, 128)) for kb, vb in ((8, 8), (8, 4), (4, 4))]
+    for dt, kbits, vbits, dims in combos:
+        quantized = bool(kbits)
+        prec = paged_attention.dot_precision(dtypes[dt], dtypes[dt], quantized)
+        for d in dims:
+            group = 4  # every GQA group <= 16 pads to BLOCK_G 16: one compile covers them
+            block_d, block_t, warps = paged_attention.launch_params(d, quantized, prec)
+            kt, vt = code_type.get(kbits, f"*{dt}"), code_type.get(vbits, f"*{dt}")
+            sig = {"q_ptr": f"*{dt}", "k_ptr": kt, "ks_ptr": "*fp16" if kbits else kt, "v_ptr": vt,
+                   "vs_ptr": "*fp16" if vbits else vt, "pt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": f"*{dt}",
+                   "qk_scale": "fp32", **{s: I32 for s in strides}, "PAGE": "constexpr", "BLOCK_T": "constexpr",
+                   "BLOCK_G": "constexpr", "BLOCK_D": "constexpr", "K_BITS": "constexpr", "K_GROUP": "constexpr",
+                   "V_BITS": "constexpr", "V_GROUP": "constexpr", "PRECISION": "constexpr"}
+            name = f"k{kbits}v{vbits}" if quantized else "float"
+            yield (f"paged_attention {name} q={dt} D={d} group={group} {prec}", paged_attention._paged_decode_kernel,
+                   sig, {"PAGE": 64, "BLOCK_T": block_t, "BLOCK_G": max(16, triton.next_power_of_2(group)),
+                         "BLOCK_D": block_d, "K_BITS": kbits, "K_GROUP": 32 if kbits == 4 else 1, "V_BITS": vbits,
+                         "V_GROUP": 32 if vbits == 4 else 1, "PRECISION": prec}, warps)
 
 
 def more_cases():
