@@ -5,6 +5,7 @@ import logging
 from collections import deque
 
 from engine.kv.cache import KVCache
+from engine.kv.hostprefix import HostPrefixStore
 from engine.kv.pages import PagePool
 from engine.kv.prefix import PrefixCache
 from engine.kv.window import TieredPages, Tiering
@@ -29,8 +30,11 @@ class Scheduler:
 
     With KV tiers (engine/kv/window.py), a sequence longer than the window (or every one, with ring on) runs
     windowed: at admission, or when it outgrows the window while decoding, it takes its fixed GPU footprint and
-    host pages for its whole length, and from then on needs no more GPU pages. Windowed sequences do not take part
-    in prefix reuse."""
+    host pages for its whole length, and from then on needs no more GPU pages. A windowed sequence admitted with a
+    cached prefix (full pages in the GPU prefix cache, continued in the host prefix store) starts from those pages
+    (Tiering.open / TieredPages.preload); when it ends, its written-through host pages go to the host prefix store,
+    which exists whenever tiers and prefix reuse are on (--kv-reuse-hostbacked also backs GPU cache evictions).
+    Windowed sequences neither share GPU pages nor leave tails: their GPU pages are a ring, rewritten."""
 
     def __init__(self, pool: PagePool, max_concurrency: int, prefill_chunk: int, prefix: PrefixCache | None = None,
                  tiers: Tiering | None = None, host_prefix=None, kv: KVCache | None = None):
@@ -39,6 +43,8 @@ class Scheduler:
         self.pool = pool
         self.kv = kv
         self.tiers = tiers
+        if host_prefix is None and tiers is not None and prefix is not None:  # windowed sequences' pages
+            host_prefix = HostPrefixStore.for_host(tiers.host, tiers.gpu)
         self.host_prefix = host_prefix
         self.max_concurrency = max_concurrency
         self.prefill_chunk = prefill_chunk
@@ -49,7 +55,7 @@ class Scheduler:
         self._readmit: dict[int, Sequence] = {}  # id -> preempted sequence: its next admission is a recompute
         self.prefix_counters = dict(prefix_hits=0, prefix_hit_tokens=0, prefix_prompt_tokens=0,
                                     prefix_recompute_hit_tokens=0, prefix_partial_copies=0,
-                                    prefix_partial_tokens=0)
+                                    prefix_partial_tokens=0, prefix_windowed_hit_tokens=0)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,7 +91,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         if isinstance(seq.pages, TieredPages):
-            self.tiers.release(seq.pages)
+            self.tiers.release(seq.pages, seq.tokens, self.host_prefix)
         elif self.prefix is not None and self.kv is not None and seq.pages:
             self.prefix.keep_tail(seq)  # its partial last page stays cached (idle) for copies
         self.pool.deallocate(seq.pages)
@@ -99,9 +105,31 @@ class Scheduler:
         tiers, reserve = self.tiers, self._reserve_tokens(seq)
         if not tiers.can_open(self.pool.num_free, 0, reserve):
             return False
-        seq.pages = tiers.open(self.pool.allocate(tiers.spec.footprint), reserve, 0)
-        seq.num_computed = 0
-        self._readmit.pop(id(seq), None)
+        gpu_pages = self.pool.allocate(tiers.spec.footprint)  # may evict cached pages: look them up after this
+        hits, stored = [], []
+        if self.prefix is not None and self.kv is not None:
+            hits = self.prefix.match(seq.tokens)
+            if self.host_prefix is not None:
+                cap = self.prefix.reusable_tokens(len(seq.tokens)) // self.pool.page_size
+                stored = self.host_prefix.match(seq.tokens, len(hits), hits[-1].key if hits else b"", cap)
+        seq.pages = tiers.open(gpu_pages, reserve, 0, [e.page for e in hits], stored)
+        if stored:
+            self.host_prefix.hit(stored)
+        seq.num_computed = (len(hits) + len(stored)) * self.pool.page_size
+        recompute = self._readmit.pop(id(seq), None) is seq
+        if self.prefix is not None:
+            c = self.prefix_counters
+            c["prefix_windowed_hit_tokens"] += seq.num_computed
+            if recompute:
+                c["prefix_recompute_hit_tokens"] += seq.num_computed
+            else:
+                c["prefix_prompt_tokens"] += len(seq.tokens)
+                c["prefix_hit_tokens"] += seq.num_computed
+                c["prefix_hits"] += bool(seq.num_computed)
+        if seq.num_computed:
+            log.debug("prefix hit: windowed %s reuses %d of %d tokens (%d cached pages, %d from the host)%s",
+                      seq.request_id, seq.num_computed, len(seq.tokens), len(hits), len(stored),
+                      " after preemption" if recompute else "")
         return True
 
     def _to_window(self, seq: Sequence) -> bool:

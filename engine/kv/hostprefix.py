@@ -6,6 +6,11 @@ free, and an allocation of host pages (a windowed sequence reserving its pages) 
 first. So a stored prefix never takes host memory a sequence needs. Entries are keyed like the GPU prefix cache
 (engine/kv/prefix.py: a hash chained over the tokens of every page up to this one) and also keep their page's tokens
 and their parent's key, which a hit compares: a hash collision can only cost a miss.
+
+Windowed sequences (engine/kv/window.py) keep every full page on the host anyway: when one ends, its written-through
+pages become stored pages as they are (``keep``, no copy), and a later windowed sequence with the same prefix takes
+them over as its own host pages (``PagePool.share`` -> ``pinned``: the store forgets them until that sequence ends
+and gives them back). Only full pages are stored: partial pages (GPU prefix-cache tails) are dropped on eviction.
 """
 from __future__ import annotations
 
@@ -54,8 +59,10 @@ class HostPrefixStore:
     def released(self, page: int) -> bool:
         return page in self._lru
 
-    def pinned(self, page: int) -> None:  # stored pages are never shared through the pool
-        raise AssertionError("a stored host prefix page is never shared")
+    def pinned(self, page: int) -> None:
+        """A windowed sequence takes a stored page over as one of its own host pages: the store forgets it."""
+        entry = self._lru.pop(page)
+        del self._by_key[entry.key]
 
     def evict(self) -> int:
         page, entry = self._lru.popitem(last=False)
@@ -101,11 +108,36 @@ class HostPrefixStore:
 
     def load(self, host_pages: list[int], gpu_pages: list[int]) -> None:
         """Copies stored pages back into GPU pages (every layer, codes and scales)."""
-        for layer in range(self.gpu.num_layers):
-            for g, h in zip(self.gpu.layer_tensors(layer), self.host.kv.layer_tensors(layer)):
-                for hp, gp in zip(host_pages, gpu_pages):
-                    g[gp].copy_(h[hp], non_blocking=self.host.pinned)
-        if self.host.pinned:  # the host pages may be reused as soon as this returns
-            torch.cuda.current_stream().synchronize()
+        copy_to_gpu(self.host, self.gpu, host_pages, gpu_pages)
+        self.hit(host_pages)
+
+    def hit(self, host_pages: list[int]) -> None:
         self.counters["prefix_host_hits"] += 1
         self.counters["prefix_host_hit_tokens"] += len(host_pages) * self.pool.page_size
+
+    def keep(self, tokens: list[int], host_pages: list[int]) -> int:
+        """A windowed sequence is about to release its host pages; host_pages[i] holds the KV of page i of `tokens`
+        (written through: full and computed). Each one whose prefix is not stored yet becomes a stored page as it is
+        (idle once released). Returns how many."""
+        ps = self.pool.page_size
+        key, new = b"", []
+        for i, page in enumerate(host_pages):
+            chunk = tuple(tokens[i * ps:(i + 1) * ps])
+            parent, key = key, page_key(key, chunk)
+            if key not in self._by_key and self.pool.refcount(page) == 1 and len(chunk) == ps:
+                new.append(_Stored(key, parent, chunk, page))
+        for stored in reversed(new):  # the chain's head is used most recently: evicted last
+            self._by_key[stored.key] = stored
+            self._lru[stored.page] = stored
+        self.counters["prefix_host_stored_pages"] += len(new)
+        return len(new)
+
+
+def copy_to_gpu(host: HostPool, gpu: KVCache, host_pages: list[int], gpu_pages: list[int]) -> None:
+    """Copies host pages into GPU pages (every layer, codes and scales), done when this returns."""
+    for layer in range(gpu.num_layers):
+        for g, h in zip(gpu.layer_tensors(layer), host.kv.layer_tensors(layer)):
+            for hp, gp in zip(host_pages, gpu_pages):
+                g[gp].copy_(h[hp], non_blocking=host.pinned)
+    if host.pinned:  # the host pages may be reused as soon as this returns
+        torch.cuda.current_stream().synchronize()

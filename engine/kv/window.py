@@ -10,7 +10,13 @@ Logical page i of a sequence holds its tokens [64 i, 64 i + 64). A windowed sequ
   this step's queries, copied from the host tier (engine/kv/host.py).
 
 Each page is written through to the host when it is full and computed, so a page leaving the window is simply
-forgotten on the GPU. Keys carry RoPE, so for a decode step the order of pages does not matter; a step of several
+forgotten on the GPU.
+
+Prefix reuse: a windowed sequence whose prompt starts with cached full pages starts from them (``preload``): pages
+cached on the GPU (engine/kv/prefix.py) are copied to its host pages (with their Quest summaries), pages in the host
+prefix store (engine/kv/hostprefix.py) are taken over as its host pages without a copy, and the sink and the pages
+the first window needs are copied to its GPU pages. When it ends, its written-through pages go to the host prefix
+store as they are. Keys carry RoPE, so for a decode step the order of pages does not matter; a step of several
 tokens (a prefill chunk, a verification step) sees sink and retrieved pages whole and the window causally.
 """
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 from engine.kv.cache import KVCache
 from engine.kv.host import HostPool
+from engine.kv.hostprefix import copy_to_gpu
 from engine.kv.summary import select_pages
 
 log = logging.getLogger("ninfer.kvmem")
@@ -88,6 +95,27 @@ class TieredPages(list):
     @property
     def all_host_pages(self) -> list[int]:
         return self.host_pages + self.host_spare
+
+    def preload(self, gpu: KVCache, gpu_src: list[int], host_src: list[int]) -> int:
+        """Starts the table from cached prefix pages, before its first step: logical pages 0.. are the GPU pages
+        gpu_src (copied to reserved host pages, Quest summaries computed) then the host pages host_src (already
+        the table's: taken over from the prefix store, summaries kept). The sink and the pages the first window
+        needs are copied to GPU pages. Returns the tokens they hold."""
+        ps, k = self.spec.page_size, len(gpu_src) + len(host_src)
+        dst = self.host_spare[:len(gpu_src)]
+        del self.host_spare[:len(gpu_src)]
+        self.host.store(gpu, gpu_src, dst)
+        self.host_pages = dst + list(host_src)
+        lo = max(0, (k * ps - self.spec.window) // ps)
+        need = [i for i in range(k) if i == 0 or i >= lo]
+        for i in need:
+            self.resident[i] = self.free.pop()
+        from_gpu = [(gpu_src[i], self.resident[i]) for i in need if i < len(gpu_src)]
+        from_host = [(self.host_pages[i], self.resident[i]) for i in need if i >= len(gpu_src)]
+        if from_gpu:
+            gpu.copy_pages([s for s, _ in from_gpu], [d for _, d in from_gpu])
+        copy_to_gpu(self.host, gpu, [s for s, _ in from_host], [d for _, d in from_host])
+        return k * ps
 
     # ---- before a step ----------------------------------------------------------------------------------------
     def prepare(self, gpu: KVCache, start: int, n: int) -> None:
@@ -182,16 +210,27 @@ class Tiering:
         return (self.spec.footprint - held <= gpu_free
                 and self.host_pages_for(reserve_tokens) <= self.host.pool.num_free)
 
-    def open(self, gpu_pages: list[int], reserve_tokens: int, computed: int) -> TieredPages:
+    def open(self, gpu_pages: list[int], reserve_tokens: int, computed: int, gpu_src: list[int] = (),
+             host_src: list[int] = ()) -> TieredPages:
         """A tiered table over `gpu_pages` (the footprint: a plain sequence's pages first, their contents kept for
-        the first `computed` tokens) with host pages reserved for `reserve_tokens`."""
+        the first `computed` tokens) with host pages reserved for `reserve_tokens`; or, with gpu_src / host_src, a
+        table that starts from those cached prefix pages (TieredPages.preload; host_src are idle pages of the host
+        prefix store, taken over)."""
         held = -(-computed // self.spec.page_size)
-        host = self.host.pool.allocate(self.host_pages_for(reserve_tokens))
-        return TieredPages(gpu_pages, self.spec, self.host, host, {i: gpu_pages[i] for i in range(held)})
+        self.host.pool.share(list(host_src))
+        host = self.host.pool.allocate(self.host_pages_for(reserve_tokens) - len(host_src))
+        table = TieredPages(gpu_pages, self.spec, self.host, host, {i: gpu_pages[i] for i in range(held)})
+        if gpu_src or host_src:
+            table.preload(self.gpu, list(gpu_src), list(host_src))
+        return table
 
-    def release(self, table: TieredPages) -> None:
+    def release(self, table: TieredPages, tokens: list[int] | None = None, store=None) -> None:
+        """Gives the table's host pages back; with a host prefix store, its written-through pages (those of
+        `tokens`) are kept there first."""
         self.evictions += table.evictions
         table.evictions = 0
+        if store is not None and tokens is not None:
+            store.keep(tokens, table.host_pages)
         self.host.pool.deallocate(table.all_host_pages)
         table.host_pages, table.host_spare = [], []
 
