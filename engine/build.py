@@ -11,9 +11,9 @@ import torch
 
 from engine.engine import Engine
 from engine.errors import NInferError
-from engine.kv.cache import PAGE_SIZE, KVCache
+from engine.kv.cache import PAGE_SIZE
 from engine.kv.quant import QUANT_KV_DTYPES
-from engine.kv.window import WindowSpec
+from engine.ledger import MIB, Ledger, ModelShape, build_ledger
 from engine.model.config import ModelConfig
 from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS, native_format
 from engine.model.llama import LlamaModel
@@ -26,7 +26,6 @@ from engine.spec.mtp import is_mtp_tensor
 log = logging.getLogger("ninfer.build")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-CPU_KV_RAM_FRACTION = 0.25  # of available host RAM, for kv-capacity auto on the CPU
 
 
 @dataclass
@@ -38,10 +37,12 @@ class LoadedEngine:
     device: torch.device
     dtype: torch.dtype
     load_seconds: float = 0.0
+    ledger: Ledger | None = None  # the memory ledger the KV pools were sized with
 
     @property
     def context_window(self) -> int:
-        return self.engine.max_context
+        """The longest sequence the engine takes: the context length, or less when the KV memory reaches less."""
+        return self.engine.context_tokens
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -66,30 +67,26 @@ def pick_kv_dtype(name: str, device: torch.device) -> torch.dtype | str:
     return pick_dtype(name, device)
 
 
-def kv_pages(capacity: str | int, cfg: ModelConfig, max_context: int, max_concurrency: int,
-             kv_dtype: torch.dtype | str, device: torch.device, headroom_mib: int, window_pages: int = 0) -> int:
-    """Pages in the KV pool: an explicit token count, or what memory allows (never more than all sequences at
-    full context need). `window_pages`: the GPU pages of one windowed sequence (0: no window)."""
-    pages_per_seq = -(-max_context // PAGE_SIZE)
-    if window_pages:
-        pages_per_seq = min(pages_per_seq, window_pages)
-    if capacity != "auto":
-        return max(-(-int(capacity) // PAGE_SIZE), 1)
-    want = pages_per_seq * max_concurrency
-    page_bytes = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype) * PAGE_SIZE
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free - headroom_mib * 2**20
-    else:
-        budget = int(psutil.virtual_memory().available * CPU_KV_RAM_FRACTION)
-    fits = budget // page_bytes
-    if fits < pages_per_seq:
-        need_mib = pages_per_seq * page_bytes / 2**20
-        what = f"a windowed sequence ({pages_per_seq} pages)" if window_pages else f"one sequence of {max_context} tokens"
-        raise NInferError(f"The KV cache for {what} needs {need_mib:.0f} MiB, "
-                          f"but only {max(budget, 0) / 2**20:.0f} MiB are available for it.",
-                          "Lower --max-context, or free memory (close other programs), or set --kv-capacity.")
-    return int(min(want, fits))
+def size_kv(cfg: ModelConfig, device: torch.device, context: int, auto_context: bool, **settings) -> Ledger:
+    """The KV pools from the memory ledger (engine/ledger), on the memory free now that the weights are loaded: the
+    GPU pool's pages (kv_capacity auto: what all sequences want, or what fits), the host tier's pages and the reach
+    of one sequence. With the context left to the model (auto_context) a pool that cannot hold the model's whole
+    context shortens it to the reach, saying so; an explicit --max-context beyond reach is refused, as is anything
+    that does not fit, naming the ledger line at fault and the remedy."""
+    vram_mib = torch.cuda.mem_get_info(device)[0] // MIB if device.type == "cuda" else 0
+    ram_mib = psutil.virtual_memory().available // MIB
+    shape = ModelShape.from_config(cfg)
+    ledger = build_ledger(shape, vram_mib=vram_mib, ram_mib=ram_mib, include_weights=False, max_context=context,
+                          **settings)
+    if auto_context and ledger.gpu_pages and ledger.reach_tokens < context \
+            and all(p.line in ("kv", "host_kv") for p in ledger.check() if p.level == "error"):
+        log.warning("the KV memory holds %d tokens of one sequence, less than the model's %d: the context is %d "
+                    "tokens (set --max-context, --kv-dtype or --host-kv-mib to choose)", ledger.reach_tokens,
+                    context, ledger.reach_tokens)
+        ledger = build_ledger(shape, vram_mib=vram_mib, ram_mib=ram_mib, include_weights=False,
+                              max_context=ledger.reach_tokens, **settings)
+    ledger.raise_if_refused()
+    return ledger
 
 
 def build_engine(model: str | Path | None = None, *, device: str = "auto", weight_dtype: str = "auto",
@@ -125,16 +122,18 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
     if max_context > cfg.max_position:
         raise NInferError(f"--max-context {max_context} is beyond this model's trained context of "
                           f"{cfg.max_position} tokens.", f"Use --max-context {cfg.max_position} or less (0 = the model's).")
-    context = max_context or cfg.max_position
-    window = WindowSpec(WindowSpec.round(kv_window), WindowSpec.round(kv_retrieve), kv_ring, prefill_chunk) \
-        if kv_window and kv_ring != "off" else None
-    pages = kv_pages(kv_capacity, cfg, context, max_concurrency, kdtype, dev, kv_headroom_mib,
-                     window.footprint if window else 0)
-    page_bytes = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kdtype) * PAGE_SIZE
-    host_pages = host_kv_mib * 2**20 // page_bytes
+    ledger = size_kv(cfg, dev, max_context or cfg.max_position, not max_context, kv_dtype=kv_dtype,
+                     kv_capacity=kv_capacity, kv_headroom_mib=kv_headroom_mib, host_kv_mib=host_kv_mib,
+                     max_concurrency=max_concurrency, kv_window=kv_window, kv_retrieve=kv_retrieve, kv_ring=kv_ring,
+                     kv_reuse_hostbacked=kv_reuse_hostbacked, spec=spec, draft_tokens=draft_tokens,
+                     draft_model=draft_model, prefill_chunk=prefill_chunk)
+    context, pages, host_pages = ledger.max_context, ledger.gpu_pages, ledger.host_pages
+    log.info("KV: %d pages of %s (%s), %d host pages, context %d tokens", pages, ledger.kv_dtype,
+             "auto" if ledger.kv_auto else "--kv-capacity", host_pages, context)
     if host_kv_mib and not host_pages:
-        raise NInferError(f"--host-kv-mib {host_kv_mib} holds no KV page of this model ({page_bytes / 2**20:.2f} MiB "
-                          f"a page).", f"Raise --host-kv-mib to at least {-(-page_bytes // 2**20)}.")
+        raise NInferError(f"--host-kv-mib {host_kv_mib} holds no KV page of this model "
+                          f"({ledger.page_bytes / 2**20:.2f} MiB a page).",
+                          f"Raise --host-kv-mib to at least {-(-ledger.page_bytes // 2**20)}.")
     runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not host_pageable,
                          prefill_cublas=prefill_cublas, cuda_graphs=cuda_graphs)
     if prefill_cublas:
@@ -151,4 +150,4 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
                     kv_window=kv_window, kv_retrieve=kv_retrieve, kv_ring=kv_ring,
                     allow_lossy_window=allow_lossy_window, kv_reuse_hostbacked=kv_reuse_hostbacked,
                     speculator=speculator)
-    return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0)
+    return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0, ledger)

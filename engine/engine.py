@@ -68,6 +68,16 @@ class Engine:
         self.counters = dict(requests=0, finished=0, aborted=0, errors=0, prefill_tokens=0, decode_tokens=0,
                              prefill_seconds=0.0, decode_seconds=0.0, steps=0)
 
+    @property
+    def context_tokens(self) -> int:
+        """The longest sequence (prompt and answer) this engine runs: max_context, or the KV reach when shorter."""
+        return min(self.max_context, self.kv_reach)
+
+    @property
+    def context_limit(self) -> str:
+        """What sets context_tokens: "the context length" or the KV tier that limits it."""
+        return "the context length" if self.max_context < self.kv_reach else self._reach_what
+
     # ---- the API other threads call -------------------------------------------------------------------------
     def start(self) -> "Engine":
         if self._thread is None:

@@ -13,8 +13,8 @@ def kv_tier_problems(v: dict[str, Any], src: dict[str, str]) -> list[str]:
     window, retrieve, ring, host = v["kv_window"], v["kv_retrieve"], v["kv_ring"], v["host_kv_mib"]
     cap, ctx = v["kv_capacity"], v["max_context"]
 
-    def at(*names: str) -> str:
-        return "[" + ", ".join(src[n] for n in names) + "]"
+    def at(*names: str) -> str:  # where the settings came from, each source once
+        return "[" + ", ".join(dict.fromkeys(src[n] for n in names)) + "]"
 
     ringed = window > 0 and ring != "off"
     if isinstance(cap, int) and 0 < cap < ctx and window == 0:

@@ -50,21 +50,25 @@ overrides it.
 
 KV pool and host tier
 ---------------------
-``kv_capacity auto`` = min(pages wanted, pages that fit). Wanted, per sequence: the whole max_context; with a window
-(``kv_window`` < max_context) only the window, the pages ``kv_retrieve`` fetches back and one prefill chunk being
-written, all x max_concurrency. What fits: the KV device's budget minus every other line on it (without a GPU, at
-most CPU_KV_RAM_FRACTION of RAM, as engine.build does). The host tier holds host_kv_mib // page bytes pages. The
-reach of one sequence (sequences share the pools): pool tokens (the window, when there is one), plus the host pages;
-with host-backed reuse (``kv_reuse_hostbacked``) every page keeps a host copy, so the host pool alone is the reach.
+``kv_capacity auto`` = min(pages wanted, pages that fit). Wanted, per sequence: the whole max_context; with ring
+mode (a ``kv_window`` shorter than max_context, or ``kv_ring on``) the GPU pages one windowed sequence owns, exactly
+engine.kv.window.WindowSpec.footprint (engine.kv.settings.window_footprint): the sink page, the window and one
+prefill chunk (+2 pages for unaligned edges) and the staging pages ``kv_retrieve`` fetches back; with ``kv_ring off``
+the window; all x max_concurrency. What fits: the KV device's budget minus every other line on it (without a GPU, at
+most CPU_KV_RAM_FRACTION of RAM). The host tier holds host_kv_mib // page bytes pages. A windowed sequence writes
+every full page through to the host, so the host pool is the reach of one sequence (sequences share the pools; with
+ring auto a sequence within the window needs no host page), and a max_context sequence needs max_context / 64 host
+pages. engine.build sizes the engine's pools with this ledger (``include_weights=False``, on the memory measured after
+loading), so what ``ninfer-doctor --ledger`` and the app show is what the engine allocates.
 
 What the seeds' ledgers give (tests/engine/test_ledger.py reproduces each):
 - seed 1, 12 GB + DFlash2: 8.87 GiB weights + 1.86 GiB drafter + 0.43 GiB KV (17,920 k8v4 tokens) + state,
   workspace and 1 GiB headroom = 12.47 GiB > 12 GiB ("~12.4 GiB, OOM"): refused, naming the draft line.
   With MTP it fits and 2.24 GiB stay free ("~2.25 GiB free").
-- seed 2, RTX 3060: window 65,536 + one 4096-token chunk = 1088 GPU pages (the seed: 1080); host-backed with
-  2048 MiB of e8 pages reaches 123,328 tokens: their 121,232-token run fits, 131,072 does not ("128K is a hard
-  ceiling"). Their "~1.36 GiB host KV" is not reproduced: the pages beyond the GPU's are 1.00 GiB, a full host
-  copy 2.13 GiB.
+- seed 2, RTX 3060: sink + window 65,536 + one 4096-token chunk + 2 edge pages = 1091 GPU pages (the seed: 1080,
+  1% apart); 2048 MiB of e8 host pages reach 123,328 tokens: their 121,232-token run fits, 131,072 does not ("128K
+  is a hard ceiling"). Their "~1.36 GiB host KV" is not reproduced: this engine's host copy of a 128K sequence is
+  2.13 GiB (the pages beyond the GPU's alone would be 1.00 GiB).
 
 Estimates (marked as such in every output)
 ------------------------------------------

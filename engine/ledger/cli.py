@@ -45,11 +45,12 @@ def add_ledger_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in ("kv-headroom-mib", "host-kv-mib", "max-context", "max-concurrency", "kv-window", "kv-retrieve",
                  "prefill-chunk", "draft-tokens"):
         g.add_argument(f"--{flag}", type=int, metavar="N")
+    g.add_argument("--kv-ring", choices=_choices("kv_ring"))
     g.add_argument("--spec", choices=_choices("spec"))
     g.add_argument("--draft-model", metavar="PATH")
     g.add_argument("--gdn-state-fp16", action="store_true", default=None)
     g.add_argument("--kv-reuse-hostbacked", action="store_true", default=None,
-                   help="host-backed KV: every page has a host copy (the reach is the host pool)")
+                   help="evicted prefix pages keep a host copy and come back on a hit")
 
 
 def wants_ledger(args: argparse.Namespace) -> bool:

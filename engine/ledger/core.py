@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from engine.errors import NInferError
+from engine.kv.settings import window_footprint
 from engine.ledger.common import (
     ACTIVATION_BYTES_PER_HIDDEN, CPU_KV_RAM_FRACTION, DEFAULT_DRAFT_TOKENS, DFLASH2_DRAFT_BYTES, GIB,
     HOST_RUNTIME_MIB, MIB, PAGE_SIZE, WEIGHT_BITS, _DEFAULTS, _ceil_div)
@@ -155,7 +156,7 @@ def _mib(n: float) -> str:
 
 
 _KEYS = ("weight_dtype", "kv_dtype", "kv_capacity", "kv_headroom_mib", "host_kv_mib", "max_context", "max_concurrency",
-         "kv_window", "kv_retrieve", "kv_reuse_hostbacked", "spec", "draft_tokens", "draft_model", "prefill_chunk",
+         "kv_window", "kv_retrieve", "kv_ring", "kv_reuse_hostbacked", "spec", "draft_tokens", "draft_model", "prefill_chunk",
          "gdn_state_fp16")
 
 
@@ -163,8 +164,8 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
                  include_weights: bool = True, **overrides: Any) -> Ledger:
     """The ledger of ``shape`` under ``settings`` (an engine Settings, a mapping of setting names, or None for the
     defaults; keyword ``overrides`` win) on ``vram_mib`` of GPU memory (0: no GPU, everything in RAM) and ``ram_mib``
-    of host RAM. ``include_weights=False``: the weights are already loaded and ``vram_mib`` is the free memory
-    measured after loading them (what engine.build needs)."""
+    of host RAM. ``include_weights=False``: the weights and the runtime are already loaded, and ``vram_mib`` /
+    ``ram_mib`` are the free memory measured after loading them (what engine.build sizes the KV pools with)."""
     unknown = set(overrides) - set(_KEYS)
     if unknown:
         raise TypeError(f"build_ledger: unknown setting(s) {', '.join(sorted(unknown))}")
@@ -231,20 +232,23 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     if state:
         fmt = "fp16" if s["gdn_state_fp16"] else "fp32"
         add("state", f"recurrent state ({shape.linear_layers} linear layers, {fmt}, x{conc} seq)", state)
-    add("runtime", "host runtime (Python, PyTorch, server)", HOST_RUNTIME_MIB["gpu" if on_gpu else "cpu"] * MIB,
-        device="host", estimate=True)
+    if include_weights:
+        add("runtime", "host runtime (Python, PyTorch, server)", HOST_RUNTIME_MIB["gpu" if on_gpu else "cpu"] * MIB,
+            device="host", estimate=True)
     if on_gpu:
         budgets = {"gpu": vram_mib * MIB, "host": ram_mib * MIB}
     else:
         budgets = {"host": ram_mib * MIB}
 
     # -- the KV pool on the KV device
-    window = int(s["kv_window"])
-    windowed = 0 < window < context
+    window, ring = int(s["kv_window"]), str(s["kv_ring"])
+    ringed = window > 0 and ring != "off"  # sequences may run windowed: each takes its footprint (plan_tiers)
+    capped = window > 0 and ring == "off"  # the window caps every sequence, nothing goes to the host
     resident = ctx_pages
-    if windowed:  # the window, the pages fetched back, and one prefill chunk being written
-        resident = min(_ceil_div(window, PAGE_SIZE) + _ceil_div(int(s["kv_retrieve"]), PAGE_SIZE)
-                       + _ceil_div(chunk, PAGE_SIZE), ctx_pages)
+    if ringed:  # a windowed sequence's GPU pages: engine.kv.window.WindowSpec.footprint
+        resident = window_footprint(dict(kv_window=window, kv_retrieve=int(s["kv_retrieve"]), prefill_chunk=chunk))
+    elif capped:
+        resident = min(_ceil_div(window, PAGE_SIZE), ctx_pages)
     wanted = resident * conc
     other = sum(line.bytes for line in lines if line.device == kv_device)
     room = budgets[kv_device] - other
@@ -266,15 +270,17 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     host_other = sum(line.bytes for line in lines if line.device == "host" and line.key != "host_kv")
     host_kv_max = max(budgets["host"] - host_other, 0)
     hostbacked = bool(s["kv_reuse_hostbacked"])
-    # Reach: what one sequence can hold when it has the pools to itself (sequences share them, like engine.build)
-    reach_gpu = min(pages * PAGE_SIZE, window) if windowed else pages * PAGE_SIZE
+    # Reach: what one sequence can hold when it has the pools to itself (sequences share them), as
+    # engine.kv.window.plan_tiers computes it: a windowed sequence writes every full page through to the host, so
+    # the host pool is its reach (with ring auto, a sequence within the window needs no host page).
+    reach_gpu = min(pages * PAGE_SIZE, window) if (ringed or capped) else pages * PAGE_SIZE
     reach_tiered = None
-    if host_pages:
-        reach_tiered = host_pages * PAGE_SIZE if hostbacked else reach_gpu + host_pages * PAGE_SIZE
-    host_needed = ctx_pages if hostbacked else max(ctx_pages - min(pages, resident), 0)
+    if ringed and host_pages:
+        reach_tiered = host_pages * PAGE_SIZE if ring == "on" else max(host_pages * PAGE_SIZE, reach_gpu)
+    host_needed = ctx_pages if ringed else 0
 
     ledger = Ledger(shape, lines, budgets, wdtype, kv_dtype, PAGE_SIZE, page_bytes, pages, auto, fit, wanted,
-                    host_pages, host_needed, host_kv_max, context, conc, window if windowed else 0, hostbacked,
+                    host_pages, host_needed, host_kv_max, context, conc, window if ringed or capped else 0, hostbacked,
                     reach_gpu, reach_tiered, s, problems, notes)
     _check(ledger, layout)
     return ledger
@@ -359,14 +365,18 @@ def _check(ledger: Ledger, layout: KVLayout) -> None:
             f"lines)."))
     # -- context reach
     ctx, reach = ledger.max_context, ledger.reach_tokens
-    if ledger.fits and ledger.gpu_pages and reach < ctx:
+    capped = ledger.kv_window and ledger.settings.get("kv_ring") == "off"
+    if capped and ledger.fits and reach < ctx:
+        ledger.notes.append(f"--kv-ring off caps each conversation at {reach:,} tokens (the window); longer ones are "
+                            f"refused with context_length_exceeded.")
+    elif ledger.fits and ledger.gpu_pages and reach < ctx:
         if ledger.reach_tiered_tokens is None:
             problems.append(LedgerProblem(
                 "error", "kv", f"--max-context {ctx:,} does not fit: the KV pages line holds {reach:,} tokens "
                                f"({ledger.gpu_pages:,} pages" + (f", window {ledger.kv_window:,}" if ledger.kv_window
                                                                  else "") + ").",
-                f"Lower --max-context to {reach:,}, use a smaller --kv-dtype (k8v4, rk4v4), or extend to host RAM "
-                f"with --host-kv-mib."))
+                f"Lower --max-context to {reach:,}, use a smaller --kv-dtype (k8v4, rk4v4), or run ring mode: "
+                f"--kv-window with --kv-retrieve and --host-kv-mib (older pages in host RAM)."))
         else:
             need_mib = _ceil_div(ledger.host_kv_needed_bytes, MIB)
             raise_it = f"raise --host-kv-mib to {need_mib:,}" if need_mib * MIB <= ledger.host_kv_max_bytes else \
@@ -376,8 +386,10 @@ def _check(ledger: Ledger, layout: KVLayout) -> None:
                                     f"({ledger.host_pages:,} pages) a sequence reaches {reach:,} tokens; {ctx:,} "
                                     f"tokens need {ledger.host_pages_needed:,} host pages ({need_mib:,} MiB).",
                 f"Lower --max-context to {reach:,}, or {raise_it}."))
-    if ledger.fits and ledger.reach_tiered_tokens is not None and ledger.host_pages_needed == 0:
-        ledger.notes.append("The host KV pool is not needed: every sequence's whole context fits in the GPU pool.")
+    if ledger.host_pages and ledger.reach_tiered_tokens is None:
+        ledger.notes.append("No sequence runs windowed (no --kv-window, --kv-ring off, or a window as long as the "
+                            "context): the host KV pool holds " + ("only evicted prefix pages (--kv-reuse-hostbacked)."
+                                                                   if ledger.hostbacked else "nothing."))
     full = _ceil_div(ctx, ledger.page_size)
     if ledger.fits and not ledger.kv_window and ledger.reach_tiered_tokens is None and \
             full <= ledger.gpu_pages < full * ledger.max_concurrency:
@@ -431,7 +443,7 @@ def format_ledger(ledger: Ledger) -> str:
         out.append(f"Window: the last {ledger.kv_window:,} tokens of each sequence stay on the GPU")
     tier = ""
     if ledger.reach_tiered_tokens is not None:
-        how = "host-backed: every page has a host copy" if ledger.hostbacked else "GPU pages + host pages"
+        how = "every full page is written through to the host"
         tier = f"; with the host tier {ledger.reach_tiered_tokens:,} ({how})"
     out.append(f"Context reach of one sequence: {ledger.reach_gpu_tokens:,} tokens on the {where} alone{tier}; "
                f"--max-context {ledger.max_context:,}")

@@ -22,8 +22,12 @@ def sampling_params(req: SamplingFields, state: ServerState, prompt_tokens: int,
     d, s = state.defaults, state.settings
     room = context - prompt_tokens
     if room < 1:
-        raise APIError(400, f"This model's context is {context} tokens, and the prompt has {prompt_tokens}: no "
-                            f"room for an answer. Shorten the input.", code="context_length_exceeded", param=param)
+        limit = getattr(getattr(state.loaded, "engine", None), "context_limit", "the context length")
+        if not isinstance(limit, str) or limit == "the context length":
+            limit = "this model's context length"
+        raise APIError(400, f"The context holds {context} tokens (set by {limit}), and the prompt has "
+                            f"{prompt_tokens}: no room for an answer. Shorten the input.",
+                       code="context_length_exceeded", param=param)
     wanted = req.max_completion_tokens or req.max_tokens or s.default_max_tokens
 
     def pick(name):

@@ -365,7 +365,7 @@ def test_12gb_mtp_preset_fails_listing_every_unavailable_feature():
                                                          "--host-pageable", "--kv-reuse-hostbacked"))
     # the window it asks for does not fit its GPU KV capacity: the problem names both and the remedy
     p = one_problem_about(problems, "--kv-capacity 17920 is below what one windowed conversation holds")
-    assert p.startswith("[preset:12gb-mtp, preset:12gb-mtp]") and "raise --kv-capacity to 25792" in p
+    assert p.startswith("[preset:12gb-mtp] --kv-capacity") and "raise --kv-capacity to 25792" in p
 
 
 def test_12gb_mtp_with_unavailable_features_overridden_still_needs_ring_mode():

@@ -74,7 +74,7 @@ def test_pass_key_far_outside_the_window_is_found_by_retrieval(default_engine, c
 def test_build_engine_sizes_both_tiers_from_the_settings():
     from engine.build import build_engine
 
-    loaded = build_engine(None, max_context=8192, max_concurrency=2, kv_window=512, kv_retrieve=512,
+    loaded = build_engine(None, max_context=0, max_concurrency=2, kv_window=512, kv_retrieve=512,
                           host_kv_mib=64, kv_capacity="auto", weight_dtype="fp32")
     engine = loaded.engine
     page_bytes = engine.runner.kv.page_bytes
