@@ -118,11 +118,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                 o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
             out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
             continue
-        if s.q_len == 1 and dispatch.use_triton(q.device) and not cache.format.quantized:
-            # decode on CUDA: the Triton kernel reads the pages in place (kernels/paged_attention.py)
+        if s.q_len == 1 and dispatch.use_triton(q.device):
+            # decode on CUDA: the Triton kernel reads the pages in place, float or quantized (dequantized in
+            # registers; rk* keys against the rotated q above) (kernels/paged_attention.py)
             out[s.q_start:s.q_start + 1] = dispatch.paged_decode_attention(
                 q[s.q_start:s.q_start + 1], cache.k[layer], cache.v[layer], s.pages[None],
-                s.ctx_lens(q.device), scale)
+                s.ctx_lens(q.device), scale, k_scale=cache.k_scale[layer] if cache.format.k.quantized else None,
+                v_scale=cache.v_scale[layer] if cache.format.v.quantized else None)
             continue
         keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype)  # [ctx, Hkv, D], dequantized to q's dtype
         qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
