@@ -4,7 +4,8 @@ Each page has a reference count: the number of running sequences whose page tabl
 by the one sequence that allocated it, and only while it is that sequence's partial last page or beyond; once full
 and computed it may be registered in a prefix cache (engine.kv.prefix) and then shared read-only by later sequences.
 A page whose count drops to zero goes back to the free list, unless the prefix cache keeps it: then it stays cached
-(idle, evictable) until an allocation finds no free page and evicts it. Idle cached pages count as available
+(idle, evictable) until an allocation finds no free page and evicts it. A sequence's partial last page may be kept
+that way too when it is released (a "tail"): it is never shared again, only copied into other sequences' own pages. Idle cached pages count as available
 (``num_free``): a cache never makes an allocation fail.
 """
 from __future__ import annotations
