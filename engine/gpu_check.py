@@ -7,7 +7,8 @@
    interpreter);
 3. the two ceilings measured: device-to-device copy bandwidth (bytes read + written) and a bf16 matmul;
 4. each weight format's decode GEMV (int8, int4, ternary) at 27B shapes, as GB/s of weight bytes and % of copy;
-5. paged decode attention at 4K / 32K / 128K context, as GB/s of K/V bytes;
+5. paged decode attention at 4K / 32K / 128K context over float (bf16) pages and the quantized k8v4 and k4v4 pages
+   (codes and fp16 scales read in the kernel), as GB/s of K/V bytes read (codes + scales) and % of copy;
 6. end to end on a synthetic 27B-shaped llama (random ternary and int4 weights built on the device, capped to
    --memory-cap-gib with torch.cuda.set_per_process_memory_fraction): decode tok/s against the roofline (copy
    bandwidth / bytes read per token) and prefill tok/s.
@@ -51,6 +52,7 @@ class Shape:
 
 TINY = Shape(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=512)
 FORMATS = ("int8", "int4_asym", "ternary")
+KV_FORMATS = ("float", "k8v4", "k4v4")  # paged attention: the float cache (bf16 on CUDA) and two quantized layouts
 
 
 # ---------------------------------------------------------------------------------------------------- timing
@@ -92,7 +94,7 @@ def environment(device: torch.device) -> dict:
 def kernel_tests(device: torch.device, out: Path) -> dict:
     env = dict(os.environ, NINFER_TEST_DEVICE=device.type, HF_HUB_OFFLINE="1")
     files = ["tests/kernels/test_quant.py", "tests/kernels/test_qlinear.py", "tests/kernels/test_elementwise.py",
-             "tests/kernels/test_paged_attention.py"]
+             "tests/kernels/test_paged_attention.py", "tests/kernels/test_paged_attention_quant.py"]
     t0 = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
                          env=env, capture_output=True, text=True)
@@ -150,22 +152,48 @@ def gemv(device: torch.device, shape: Shape, ms, copy_gbps: float) -> list[dict]
     return rows
 
 
-def attention(device: torch.device, shape: Shape, ms, tiny: bool) -> list[dict]:
+def kv_pages(fmt: str, pages: int, page: int, heads: int, dim: int, dtype: torch.dtype, device: torch.device):
+    """Random K/V pages of one layer in the KVCache layout: (k, v, k_scale, v_scale); the scales are None for
+    "float" pages (of `dtype`). Quantized: int8 codes [.., D] with one fp16 scale, or packed int4 [.., D/2] with
+    fp16 scales per group of 32 (docs/KV.md)."""
+    lead = (pages, page, heads)
+    if fmt == "float":
+        return torch.randn(*lead, dim, device=device, dtype=dtype), torch.randn(*lead, dim, device=device,
+                                                                                dtype=dtype), None, None
+
+    def part(bits):
+        if bits == 8:
+            codes = torch.randint(-127, 128, (*lead, dim), dtype=torch.int8, device=device)
+            groups = 1
+        else:
+            codes = torch.randint(0, 256, (*lead, dim // 2), dtype=torch.uint8, device=device)
+            groups = dim // 32
+        return codes, (torch.rand(*lead, groups, device=device) * 0.02 + 0.001).half()
+
+    (k, ks), (v, vs) = part(int(fmt[1])), part(int(fmt[3]))
+    return k, v, ks, vs
+
+
+def attention(device: torch.device, shape: Shape, ms, tiny: bool, copy_gbps: float) -> list[dict]:
+    """Paged decode attention of one sequence (all query heads) per KV format and context: GB/s of the K/V bytes
+    the step reads (codes and scales for the quantized formats)."""
     from kernels import dispatch
 
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     page = 64
-    for ctx in ((256, 1024) if tiny else (4096, 32768, 131072)):
-        pages = ctx // page
-        k = torch.randn(pages, page, shape.kv_heads, shape.head_dim, device=device, dtype=dtype)
-        v = torch.randn_like(k)
-        q = torch.randn(1, shape.heads, shape.head_dim, device=device, dtype=dtype)
-        table = torch.randperm(pages, device=device, dtype=torch.int32)[None]
-        lens = torch.tensor([ctx], device=device, dtype=torch.int32)
-        t = ms(lambda: dispatch.paged_decode_attention(q, k, v, table, lens))
-        kv_bytes = 2 * k.numel() * k.element_size()
-        rows.append({"context": ctx, "us": t * 1e3, "gbps": kv_bytes / t / 1e6})
+    for fmt in KV_FORMATS:
+        for ctx in ((256, 1024) if tiny else (4096, 32768, 131072)):
+            pages = ctx // page
+            k, v, ks, vs = kv_pages(fmt, pages, page, shape.kv_heads, shape.head_dim, dtype, device)
+            q = torch.randn(1, shape.heads, shape.head_dim, device=device, dtype=dtype)
+            table = torch.randperm(pages, device=device, dtype=torch.int32)[None]
+            lens = torch.tensor([ctx], device=device, dtype=torch.int32)
+            t = ms(lambda: dispatch.paged_decode_attention(q, k, v, table, lens, k_scale=ks, v_scale=vs))
+            kv_bytes = sum(x.numel() * x.element_size() for x in (k, v, ks, vs) if x is not None)
+            gbps = kv_bytes / t / 1e6
+            rows.append({"format": fmt if fmt != "float" else str(dtype).replace("torch.", ""), "context": ctx,
+                         "kv_mib": kv_bytes / 2**20, "us": t * 1e3, "gbps": gbps, "pct_copy": 100 * gbps / copy_gbps})
     return rows
 
 
@@ -260,10 +288,11 @@ def table(results: dict) -> str:
     for r in results["gemv"]:
         lines.append(f"| {r['format']} | {r['layer']} | {r['shape'][0]}x{r['shape'][1]} | {r['us']:.1f} | "
                      f"{r['gbps']:.0f} | {r['pct_copy']:.0f}% |")
-    lines.append("| attention context | us | GB/s |")
-    lines.append("|---|---|---|")
+    lines.append("| attention KV | context | KV MiB | us | GB/s | % copy |")
+    lines.append("|---|---|---|---|---|---|")
     for r in results["attention"]:
-        lines.append(f"| {r['context']} | {r['us']:.1f} | {r['gbps']:.0f} |")
+        lines.append(f"| {r['format']} | {r['context']} | {r['kv_mib']:.2f} | {r['us']:.1f} | {r['gbps']:.0f} | "
+                     f"{r['pct_copy']:.0f}% |")
     lines.append("| model | layers | weights GiB | prefill tok/s | decode tok/s | roofline tok/s | % roofline |")
     lines.append("|---|---|---|---|---|---|---|")
     for r in results["end_to_end"]:
@@ -297,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     results["ceilings"] = ceilings(device, args.tiny, ms)
     copy = results["ceilings"]["copy_gbps"]
     results["gemv"] = gemv(device, shape, ms, copy)
-    results["attention"] = attention(device, shape, ms, args.tiny)
+    results["attention"] = attention(device, shape, ms, args.tiny, copy)
     results["end_to_end"] = [end_to_end(device, shape, fmt, copy, args.memory_cap_gib, args.tiny)
                              for fmt in ("ternary", "int4_asym")]
     (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2))

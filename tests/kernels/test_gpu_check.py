@@ -15,12 +15,36 @@ def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tmp_path, capsy
     assert {(r["format"], r["layer"]) for r in results["gemv"]} == {
         (f, n) for f in gpu_check.FORMATS for n in ("q_proj", "gate_proj", "down_proj")}
     assert all(r["gbps"] > 0 and r["us"] > 0 for r in results["gemv"])
-    assert [r["context"] for r in results["attention"]] == [256, 1024]
+    assert [(r["format"], r["context"]) for r in results["attention"]] == [
+        (f, c) for f in ("float32", "k8v4", "k4v4") for c in (256, 1024)]
+    assert all(r["gbps"] > 0 and r["us"] > 0 and r["pct_copy"] > 0 for r in results["attention"])
+    mib = {(r["format"], r["context"]): r["kv_mib"] for r in results["attention"]}
+    per_token = {"float32": 2 * 2 * 64 * 4, "k8v4": 2 * (64 + 2 + 32 + 2 * 2), "k4v4": 2 * 2 * (32 + 2 * 2)}  # 2 KV heads
+    assert mib == {(f, c): c * per_token[f] / 2**20 for f, c in mib}  # codes + scales, as docs/KV.md counts them
     for r in results["end_to_end"]:
         assert r["layers"] == r["of_layers"] == gpu_check.TINY.layers
         assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and 0 < r["pct_roofline"]
     table = capsys.readouterr().out
     assert "| GEMV |" in table and "| ternary | 2/2 |" in table and "% roofline" in table
+    assert "| attention KV |" in table and "| k8v4 | 1024 |" in table
+
+
+def test_attention_pages_are_the_kvcache_layout():
+    """The benchmark's random quantized pages have the shapes and dtypes a KVCache of that format allocates, and
+    the paged attention (the kernel here, under the interpreter) reads them to finite values."""
+    import torch
+
+    from engine.kv.cache import KVCache
+    from kernels import dispatch
+
+    for fmt in ("k8v4", "k4v4"):
+        k, v, ks, vs = gpu_check.kv_pages(fmt, 3, 64, 2, 128, torch.float32, torch.device("cpu"))
+        cache = KVCache(1, 3, 2, 128, fmt, torch.device("cpu"))
+        for ours, theirs in ((k, cache.k[0]), (v, cache.v[0]), (ks, cache.k_scale[0]), (vs, cache.v_scale[0])):
+            assert ours.shape == theirs.shape and ours.dtype == theirs.dtype, fmt
+        out = dispatch.paged_decode_attention(torch.randn(1, 4, 128), k, v, torch.tensor([[2, 0, 1]]),
+                                              torch.tensor([150]), k_scale=ks, v_scale=vs)
+        assert torch.isfinite(out).all() and out.abs().sum() > 0
 
 
 def test_synthetic_weights_are_what_the_formats_say():

@@ -27,7 +27,7 @@ FORMATS = quant.QUANT_KV_DTYPES  # k8v8, k8v4, k4v4, rk4v4
 
 def quant_cache(fmt: str, num_pages: int, hkv: int, d: int, outliers: bool = False) -> KVCache:
     """A one-layer KVCache of `fmt` whose every slot holds quantized random K/V."""
-    cache = KVCache(1, num_pages, hkv, d, fmt, torch.device("cpu"))
+    cache = KVCache(1, num_pages, hkv, d, fmt, torch.empty(0).device)  # the default device (conftest: cpu or cuda)
     k = torch.randn(num_pages, PAGE, hkv, d)
     if outliers:  # real keys: a few channels much larger than the rest
         k[..., :3] *= 20
