@@ -50,9 +50,9 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _load_kv_page(ptr, s_ptr, page, offs_t, offs_d, t_valid, D, stride_p, stride_t, head_off, s_stride_p,
                   s_stride_t, s_head_off, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_D: tl.constexpr):
-    """[BLOCK_T, BLOCK_D] float32 rows (offs_t) of one page for one kv head (zeros past ctx_len and past D). BITS 0: float
-    pages; 8: the int8 codes, NOT scaled (see `_row_scales`); 4: packed int4 codes times each channel's group
-    scale."""
+    """[BLOCK_T, BLOCK_D] float32 rows (offs_t) of one page for one kv head (zeros past ctx_len and past D).
+    BITS 0: float pages; 8: the int8 codes, NOT scaled (see `_row_scales`); 4: packed int4 codes times each
+    channel's group scale."""
     mask = t_valid[:, None] & (offs_d < D)[None, :]
     rows = ptr + page * stride_p + head_off + offs_t[:, None] * stride_t
     if BITS == 0:

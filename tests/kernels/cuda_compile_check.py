@@ -61,9 +61,9 @@ def cases():
 
 
 def paged_attention_cases():
-    """Float pages (bf16 at D 64/128/256, fp32 at D 64/128), quantized pages (k8v8, k8v4, k4v4 = rk4v4) with bf16 queries at D
-    64/128/256 and with fp32 queries at D 64/128; D 96 pads to BLOCK_D 128 (the same compile). Precision and tiles:
-    what the wrapper picks on a GPU."""
+    """Float pages (bf16 at D 64/128/256, fp32 at D 64/128), quantized pages (k8v8, k8v4, k4v4 = rk4v4) with bf16
+    queries at D 64/128/256 and with fp32 queries at D 64/128; D 96 pads to BLOCK_D 128 (the same compile).
+    Precision and tiles: what the wrapper picks on a GPU."""
     strides = ("stride_qb stride_qh stride_kp stride_kt stride_kh stride_ksp stride_kst stride_ksh stride_vp stride_vt "
                "stride_vh stride_vsp stride_vst stride_vsh stride_ptb stride_ob stride_oh D GROUP").split()
     code_type = {8: "*i8", 4: "*u8"}

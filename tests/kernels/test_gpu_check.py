@@ -19,7 +19,8 @@ def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tmp_path, capsy
         (f, c) for f in ("float32", "k8v4", "k4v4") for c in (256, 1024)]
     assert all(r["gbps"] > 0 and r["us"] > 0 and r["pct_copy"] > 0 for r in results["attention"])
     mib = {(r["format"], r["context"]): r["kv_mib"] for r in results["attention"]}
-    per_token = {"float32": 2 * 2 * 64 * 4, "k8v4": 2 * (64 + 2 + 32 + 2 * 2), "k4v4": 2 * 2 * (32 + 2 * 2)}  # 2 KV heads
+    # bytes per token over the 2 KV heads of D 64: K and V codes + fp16 scales (int4: 2 groups of 32)
+    per_token = {"float32": 2 * 2 * 64 * 4, "k8v4": 2 * (64 + 2 + 32 + 2 * 2), "k4v4": 2 * 2 * (32 + 2 * 2)}
     assert mib == {(f, c): c * per_token[f] / 2**20 for f, c in mib}  # codes + scales, as docs/KV.md counts them
     for r in results["end_to_end"]:
         assert r["layers"] == r["of_layers"] == gpu_check.TINY.layers
