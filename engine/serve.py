@@ -31,7 +31,8 @@ def engine_kwargs(settings: Settings) -> dict:
                 host_kv_mib=settings.host_kv_mib, host_pageable=settings.host_pageable,
                 allow_lossy_window=settings.allow_lossy_window, kv_reuse_hostbacked=settings.kv_reuse_hostbacked,
                 spec=settings.spec, draft_tokens=settings.draft_tokens, draft_model=settings.draft_model,
-                lm_head_draft=settings.lm_head_draft)
+                lm_head_draft=settings.lm_head_draft, prefill_cublas=settings.prefill_cublas,
+                cuda_graphs=settings.cuda_graphs)
 
 
 def load_in_background(state, settings: Settings, on_failure=None) -> threading.Thread:

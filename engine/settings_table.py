@@ -234,10 +234,12 @@ SETTINGS: tuple[Setting, ...] = (
         "performance",
         _s("threads", int, 0, "CPU threads used for computing on the CPU; 0 uses all CPU threads.",
            minimum=0, default_means="auto: all CPU threads"),
-        _s("cuda_graphs", str, "auto", "Capture decoding steps as CUDA graphs to cut launch overhead.",
-           choices=("auto", "on", "off"), available=_only("auto", "off"), needs="CUDA graphs come with the kernels work"),
-        _s("prefill_cublas", bool, False, "Use cuBLAS matrix multiplies while reading the prompt.",
-           available=_only(False), needs="cuBLAS prefill " + _KERNELS),
+        _s("cuda_graphs", str, "auto", "Replay decoding steps as CUDA graphs (one per batch size) to cut kernel-launch "
+           "overhead; auto: on when the model runs on a CUDA GPU with Triton; on is refused elsewhere.",
+           choices=("auto", "on", "off")),
+        _s("prefill_cublas", bool, False, "While reading the prompt, low-bit weights are unpacked into a shared buffer "
+           "and multiplied as dense matrices (cuBLAS on a GPU, about 1.4x faster prompt reading on the CPU); "
+           "generating keeps the low-bit kernels."),
         _s("prefill_chunk", int, 512, "Prompt tokens processed per step; bigger is faster but needs more memory.", minimum=16),
         _s("max_concurrency", int, 4, "Requests generated at the same time; more wait in a queue.", minimum=1, maximum=256),
     ),

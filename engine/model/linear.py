@@ -84,24 +84,25 @@ def fuse(parts: list[Weight]) -> Weight:
 class DenseScratch:
     """--prefill-cublas: a low-bit layer computing at least `min_rows` rows (a prefill chunk) dequantizes its weight
     into a buffer shared by every layer of the model and runs a dense matmul (cuBLAS on CUDA, oneDNN/BLAS on the
-    CPU); fewer rows (decode) keep the low-bit GEMV. The buffers grow to the largest layer once and are then reused:
-    no dequantized copy of any layer is kept. On the CPU the weight is dequantized exactly in float32, then rounded
+    CPU); fewer rows (decode) keep the low-bit GEMV. The buffers are sized for the largest layer, allocated at the
+    first chunk and then reused: no dequantized copy of any layer is kept. On the CPU the weight is dequantized exactly in float32, then rounded
     to the compute dtype (bf16 for float32 activations, as the CPU low-bit kernels compute: dispatch.CPU_COMPUTE_DTYPE;
     measured 1.2-2.2x faster than those kernels from 64 rows, docs/KERNELS.md). Where Triton runs (CUDA) the Triton
     dequantize kernel writes a fresh tensor instead (it has no out= argument): freed after the matmul, its block is
     handed to the next layer of that shape by the caching allocator."""
 
-    def __init__(self, min_rows: int):
-        self.min_rows = min_rows
+    def __init__(self, min_rows: int, size: int = 0):
+        """`size`: elements of the largest weight that will use it (the buffers are allocated at that size)."""
+        self.min_rows, self.size = min_rows, size
         self.buffers: dict[torch.dtype, torch.Tensor] = {}
-        self.grown = 0  # buffer (re)allocations: 2 at most on the CPU after the first chunk (tested)
+        self.grown = 0  # buffer allocations: 2 on the CPU (float32 and bf16), at the first chunk (tested)
 
     def _buffer(self, dtype: torch.dtype, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
         n = shape[0] * shape[1]
         buf = self.buffers.get(dtype)
         if buf is None or buf.numel() < n or buf.device != device:
-            buf = self.buffers[dtype] = torch.empty(max(n, 0 if buf is None else buf.numel()), dtype=dtype,
-                                                    device=device)
+            self.size = max(self.size, n)
+            buf = self.buffers[dtype] = torch.empty(self.size, dtype=dtype, device=device)
             self.grown += 1
         return buf[:n].view(shape)
 
@@ -148,11 +149,11 @@ def dequantize_into(qw: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
 def enable_dense_prefill(model, min_rows: int) -> DenseScratch:
     """Gives every low-bit linear layer of the decoder layers (not the output layer, which prefill runs on one row
     per sequence) one shared DenseScratch."""
-    scratch = DenseScratch(min_rows)
-    for layer in model.layers:
-        for v in vars(layer).values():
-            if isinstance(v, Linear) and isinstance(v.weight, QuantizedWeight):
-                v.scratch = scratch
+    linears = [v for layer in model.layers for v in vars(layer).values()
+               if isinstance(v, Linear) and isinstance(v.weight, QuantizedWeight)]
+    scratch = DenseScratch(min_rows, max((v.weight.out_features * v.weight.in_features for v in linears), default=0))
+    for v in linears:
+        v.scratch = scratch
     return scratch
 
 

@@ -244,12 +244,12 @@ def test_several_problems_are_reported_together(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('kv_dtype = "fp61"\nkv_windw = 5\nthreads = "many"\n')
     with pytest.raises(ConfigError) as info:
-        load_settings(["--config", str(cfg), "--port", "70000", "--prefill-cublas"],
+        load_settings(["--config", str(cfg), "--port", "70000", "--gdn-state-fp16"],
                       {"NINFER_PREFILL_CHUNK": "big", "NINFER_GREEDY": "maybe"})
     err = info.value
     assert isinstance(err, NInferError)
     needles = ["--kv-dtype fp61", "'kv_windw'", "--threads many", "--port 70000", "--prefill-chunk big",
-               "--greedy maybe", "--prefill-cublas true: not available"]
+               "--greedy maybe", "--gdn-state-fp16 true: not available"]
     assert len(err.problems) == len(needles)
     for needle in needles:
         one_problem_about(err.problems, needle)
@@ -318,8 +318,7 @@ def test_none_means_process_argv_and_environment(monkeypatch):
 # ---------------------------------------------------------------- features not in this version
 
 UNAVAILABLE = [  # (setting, a value this version rejects)
-    ("cuda_graphs", "on"), ("prefill_cublas", True), ("gdn_state_fp16", True),
-    ("spec", "dflash2"),
+    ("gdn_state_fp16", True), ("spec", "dflash2"),
 ]
 
 
@@ -350,7 +349,8 @@ def test_unavailable_value_is_rejected(name, value):
 
 
 @pytest.mark.parametrize("name, value", [("weight_dtype", "bf16"), ("kv_dtype", "fp16"), ("kv_dtype", "k8v4"),
-                                         ("kv_dtype", "rk4v4"), ("cuda_graphs", "off"),
+                                         ("kv_dtype", "rk4v4"), ("cuda_graphs", "off"), ("cuda_graphs", "on"),
+                                         ("prefill_cublas", True),
                                          ("max_shared_prefixes", 0), ("kv_ring", "off"), ("spec", "none"),
                                          ("spec", "ngram"), ("spec", "mtp")])
 def test_available_non_default_values_are_accepted(name, value):
@@ -381,8 +381,8 @@ def test_12gb_mtp_with_unavailable_features_overridden_still_needs_ring_mode():
 
 def test_rtx3060_ternary_preset_fails_listing_every_unavailable_feature():
     problems = problems_of(["--preset", "rtx3060-ternary"])
-    for needle in ["--gdn-state-fp16 true", "--prefill-cublas true"]:
-        assert "not available in this version" in one_problem_about(problems, needle + ":")
+    assert "not available in this version" in one_problem_about(problems, "--gdn-state-fp16 true:")
+    assert not any("--prefill-cublas" in p for p in problems)  # available now
     # its window has no retrieval: refused as lossy, naming both ways out
     p = one_problem_about(problems, "--kv-window 65536 with --kv-retrieve 0")
     assert "set --kv-retrieve" in p and "--allow-lossy-window" in p
