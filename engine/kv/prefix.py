@@ -12,9 +12,9 @@ prompt starts with the same tokens shares those pages instead of computing them 
 - A hit never covers the page holding the last token to compute: it is capped at ``len(tokens) - 1`` tokens,
   rounded down to a page, so that token is computed (its logits are needed) and written into the sequence's own
   page.
-- A cached page that no sequence holds is idle: it stays in an LRU (least recently released first, tails before
-  heads) and counts as available. An allocation takes free pages first, then evicts idle leaves (pages with no
-  cached child), so cached prefixes never cause a refusal.
+- A cached page that no sequence holds is idle: it stays in an LRU (least recently released first, a chain's
+  deeper pages before their parents) and counts as available. An allocation takes free pages first, then evicts
+  idle leaves (pages with no cached child), so cached prefixes never cause a refusal.
 - ``max_chains`` bounds the distinct cached prefixes (leaves of the forest): beyond it, the least recently used idle
   chains are evicted back to the free list, up to the first page another chain or a running sequence still needs.
 
