@@ -13,8 +13,11 @@ from kernels import dispatch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if dispatch.use_triton(x.device):  # on CUDA: the fused Triton kernel (kernels/rms_norm.py), same semantics
+    """Normalizes the last dim in float32 and scales by `weight` ([D], or one row per head [H, D] for x [T, H, D])."""
+    if dispatch.use_triton(x.device) and weight.dim() == 1:  # the fused Triton kernel (kernels/rms_norm.py)
         return dispatch.rms_norm(x, weight, eps)
+    if x.dtype == torch.float32 and weight.dim() == 1:  # one ATen op instead of six (decode is op-bound on the CPU)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -56,17 +59,28 @@ class Rotary:
         self.cos = freqs.cos().float().to(self.device)
         self.sin = freqs.sin().float().to(self.device)
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, max_position: int) -> torch.Tensor:
-        """x: [T, H, D]; rotates each head of each token by its position."""
+    def tables(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """This step's rotation tables for the torch path, [T, 1, D] each: (cos | cos) and (-sin | sin), so that
+        rope(x) = x * c + swap_halves(x) * s. Built once per forward, shared by every layer (None where the Triton
+        kernel rotates)."""
+        if max_position >= self.cos.shape[0]:
+            self._extend(max_position + 1)
+        if dispatch.use_triton(positions.device):
+            return None
+        cos, sin = self.cos[positions], self.sin[positions]
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, max_position: int,
+                 tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [T, H, D]; rotates each head of each token by its position (`tables`: this step's, from tables())."""
         if max_position >= self.cos.shape[0]:
             self._extend(max_position + 1)
         if dispatch.use_triton(x.device):
             return dispatch.rope(x, positions, self.cos, self.sin)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        c, s = tables or self.tables(positions, max_position)
         half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        xf = x.float()
+        return (xf * c + torch.cat((xf[..., half:], xf[..., :half]), -1) * s).to(x.dtype)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -106,7 +120,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     cache.write(layer, batch.slots, k, v)  # quantizes for the k8/k4/v8/v4 formats
     # rk* formats keep K Hadamard-rotated: rotating this step's q (T rows) is cheaper than un-rotating every K row
     q = cache.rotate_queries(q)
-    out = torch.empty_like(q)
+    single = len(batch.seqs) == 1  # the whole step is one sequence: its result is the output, no buffer to fill
+    out = None if single else torch.empty_like(q)
     for s in batch.seqs:
         if s.tiers is not None:  # a windowed sequence: sink + retrieved + window pages (engine/kv/window.py)
             qs = q[s.q_start:s.q_start + s.q_len]
@@ -116,25 +131,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                 o = grouped_attention(qt, kt, vt, mask, scale)
             else:
                 o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
-            out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
-            continue
-        if s.q_len == 1 and dispatch.use_triton(q.device):
+            rows = o.transpose(0, 1)
+        elif s.q_len == 1 and dispatch.use_triton(q.device):
             # decode on CUDA: the Triton kernel reads the pages in place, float or quantized (dequantized in
             # registers; rk* keys against the rotated q above) (kernels/paged_attention.py)
-            out[s.q_start:s.q_start + 1] = dispatch.paged_decode_attention(
+            rows = dispatch.paged_decode_attention(
                 q[s.q_start:s.q_start + 1], cache.k[layer], cache.v[layer], s.pages[None],
                 s.ctx_lens(q.device), scale, k_scale=cache.k_scale[layer] if cache.format.k.quantized else None,
                 v_scale=cache.v_scale[layer] if cache.format.v.quantized else None)
-            continue
-        keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype)  # [ctx, Hkv, D], dequantized to q's dtype
-        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
-        kt, vt = keys.transpose(0, 1), values.transpose(0, 1)
-        if s.q_len <= FEW_QUERIES:
-            o = grouped_attention(qs, kt, vt, None if s.q_len == 1 else s.causal_mask(q.device), scale)
-        elif s.q_len == s.ctx_len:
-            o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=s.causal_mask(q.device), scale=scale,
-                                               enable_gqa=True)
-        out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1)
+            keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype)  # [ctx, Hkv, D], in q's dtype
+            qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
+            kt, vt = keys.transpose(0, 1), values.transpose(0, 1)
+            if s.q_len <= FEW_QUERIES:
+                o = grouped_attention(qs, kt, vt, None if s.q_len == 1 else s.causal_mask(q.device), scale)
+            elif s.q_len == s.ctx_len:
+                o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=s.causal_mask(q.device), scale=scale,
+                                                   enable_gqa=True)
+            rows = o.transpose(0, 1)
+        if single:
+            return rows
+        out[s.q_start:s.q_start + s.q_len] = rows
     return out

@@ -25,26 +25,28 @@ class DecoderLayer:
         self.o = Linear(get("self_attn.o_proj.weight"), get("self_attn.o_proj.bias"))
         self.q_norm = get("self_attn.q_norm.weight")
         self.k_norm = get("self_attn.k_norm.weight")
+        # Qwen3's per-head q/k norms as one [Hq + Hkv, D] weight: q and k are normalized (and rotated) as one tensor
+        self.qk_norm = None if self.q_norm is None else torch.cat(
+            (self.q_norm.expand(cfg.num_heads, -1), self.k_norm.expand(cfg.num_kv_heads, -1)))
         self.gate_up = Linear(fuse([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]))
         self.down = Linear(get("mlp.down_proj.weight"))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, layer: int, batch: ForwardBatch,
-                rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+                rotary: Rotary, rope_tables: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_tables`: this step's Rotary.tables (built once per forward), or None to build them here."""
         cfg = self.cfg
         residual = x if residual is None else residual + x
         h = rms_norm(residual, self.input_norm, cfg.rms_eps)
         qkv = self.qkv(h)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.rms_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_eps)
-        q = rotary(q, batch.positions, batch.max_position)
-        k = rotary(k, batch.positions, batch.max_position)
+        heads = cfg.num_heads + cfg.num_kv_heads
+        qk = qkv[:, :cfg.q_size + cfg.kv_size].view(-1, heads, cfg.head_dim)  # q and k heads, side by side
+        v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.qk_norm is not None:
+            qk = rms_norm(qk, self.qk_norm, cfg.rms_eps)
+        qk = rotary(qk, batch.positions, batch.max_position, rope_tables)
+        q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         attn = paged_attention(q, k, v, layer, batch, cfg.head_dim ** -0.5)
-        x = self.o(attn.view(-1, cfg.q_size))
+        x = self.o(attn.reshape(-1, cfg.q_size))
         residual = residual + x
         h = rms_norm(residual, self.post_norm, cfg.rms_eps)
         return self.down(silu_and_mul(self.gate_up(h))), residual
@@ -87,8 +89,9 @@ class LlamaModel:
         """Logits [rows, vocab] (float32) for batch.logit_rows, or for every token when it is None."""
         x = F.embedding(batch.input_ids, self.embed)
         residual = None
+        tables = self.rotary.tables(batch.positions, batch.max_position)
         for i, layer in enumerate(self.layers):
-            x, residual = layer.forward(x, residual, i, batch, self.rotary)
+            x, residual = layer.forward(x, residual, i, batch, self.rotary, tables)
         x = residual + x
         if self.keep_hidden:
             self.hidden = x
