@@ -10,8 +10,9 @@
 5. paged decode attention at 4K / 32K / 128K context over float (bf16) pages and the quantized k8v4 and k4v4 pages
    (codes and fp16 scales read in the kernel), as GB/s of K/V bytes read (codes + scales) and % of copy;
 6. end to end on a synthetic 27B-shaped llama (random ternary and int4 weights built on the device, capped to
-   --memory-cap-gib with torch.cuda.set_per_process_memory_fraction): decode tok/s against the roofline (copy
-   bandwidth / bytes read per token) and prefill tok/s.
+   --memory-cap-gib with torch.cuda.set_per_process_memory_fraction): decode tok/s with CUDA graphs and eager
+   (and whether both give the same greedy tokens) against the roofline (copy bandwidth / bytes read per token), and
+   prefill tok/s with the low-bit kernels and with --prefill-cublas (dequantize + cuBLAS).
 It prints a short table last and writes every number to DIR/gpu_check.json. --tiny shrinks every shape so the
 same code runs in seconds on a CPU (the test suite does that); --device cpu without --tiny is allowed but slow."""
 from __future__ import annotations
@@ -224,6 +225,7 @@ def synthetic_model(shape: Shape, fmt: str, device: torch.device):
 def end_to_end(device: torch.device, shape: Shape, fmt: str, copy_gbps: float, cap_gib: float, tiny: bool) -> dict:
     """Decode and prefill tok/s of the synthetic model; layers are cut (and said so) when the weights would not fit
     the memory cap with room for the KV cache and activations."""
+    from engine.model.linear import PREFILL_DENSE_ROWS
     from engine.runner import ModelRunner, Work
 
     per_layer = sum(o * i for o, i in shape.linears().values()) * {"int8": 8.25, "int4_asym": 5.0, "ternary": 2.25}[fmt] / 8
@@ -238,7 +240,11 @@ def end_to_end(device: torch.device, shape: Shape, fmt: str, copy_gbps: float, c
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / torch.cuda.get_device_properties(device)
                                                        .total_memory), device)
         torch.cuda.reset_peak_memory_stats(device)
-    runner = ModelRunner(model, -(-(prompt_len + steps + 1) // 64), "bf16" if device.type == "cuda" else "fp32", 64)
+    # CUDA graphs on a GPU (the static decode path called directly elsewhere), and --prefill-cublas: each is timed
+    # on and off over the same runner (runner.graphs / the scratch's row threshold switched)
+    cuda = device.type == "cuda"
+    runner = ModelRunner(model, -(-(prompt_len + steps + 1) // 64), "bf16" if cuda else "fp32", 64,
+                         prefill_cublas=True, cuda_graphs="on" if cuda else "off", static_decode=not cuda)
     pages = runner.pool.allocate(runner.pool.num_pages)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cut.vocab, (prompt_len,), generator=g).tolist()
@@ -247,23 +253,41 @@ def end_to_end(device: torch.device, shape: Shape, fmt: str, copy_gbps: float, c
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    runner.run([Work(prompt[:64], 0, pages)])  # warm-up (kernels compile)
-    sync()
-    t0 = time.perf_counter()
-    logits = runner.run([Work(prompt, 0, pages)])[0]
-    sync()
-    prefill_s = time.perf_counter() - t0
-    token = int(logits[-1].argmax())
-    t0 = time.perf_counter()
-    for i in range(steps):
-        token = int(runner.run([Work([token], prompt_len + i, pages)])[0][-1].argmax())
-    sync()
-    decode_s = (time.perf_counter() - t0) / steps
+    def prefill(dense: bool) -> tuple[float, torch.Tensor]:
+        if runner.dense_prefill is not None:
+            runner.dense_prefill.min_rows = PREFILL_DENSE_ROWS if dense else 1 << 30
+        runner.run([Work(prompt[:64], 0, pages)])  # warm-up (kernels compile)
+        sync()
+        t0 = time.perf_counter()
+        logits = runner.run([Work(prompt, 0, pages)])[0]
+        sync()
+        return time.perf_counter() - t0, logits
+
+    def decode(graphs) -> tuple[float, list[int]]:
+        runner.graphs, token, tokens = graphs, first, []
+        runner.run([Work([token], prompt_len, pages)])  # warm-up (a graph is captured at its first use)
+        sync()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            token = int(runner.run([Work([token], prompt_len + i, pages)])[0][-1].argmax())
+            tokens.append(token)
+        sync()
+        return (time.perf_counter() - t0) / steps, tokens
+
+    prefill_s, _ = prefill(dense=False)
+    dense_s, logits = prefill(dense=True)
+    first = int(logits[-1].argmax())
+    graphs = runner.graphs
+    eager_s, eager_tokens = decode(None)
+    decode_s, graph_tokens = decode(graphs) if graphs is not None else (eager_s, eager_tokens)
     kv_bytes = runner.kv.token_bytes * (prompt_len + steps / 2)
     bytes_per_token = model.weight_bytes() + kv_bytes
     roofline = copy_gbps * 1e9 / bytes_per_token
     result = {"format": fmt, "layers": layers, "of_layers": shape.layers, "weight_gib": model.weight_bytes() / GIB,
-              "prefill_tokens": prompt_len, "prefill_tps": prompt_len / prefill_s, "decode_tps": 1 / decode_s,
+              "prefill_tokens": prompt_len, "prefill_tps": prompt_len / prefill_s,
+              "prefill_cublas_tps": prompt_len / dense_s, "decode_tps": 1 / decode_s, "decode_eager_tps": 1 / eager_s,
+              "decode_path": "CUDA graphs" if cuda else "static decode, no capture",
+              "same_tokens": sum(a == b for a, b in zip(graph_tokens, eager_tokens)), "decode_steps": steps,
               "roofline_tps": roofline, "pct_roofline": 100 / decode_s / roofline}
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / GIB
@@ -293,12 +317,14 @@ def table(results: dict) -> str:
     for r in results["attention"]:
         lines.append(f"| {r['format']} | {r['context']} | {r['kv_mib']:.2f} | {r['us']:.1f} | {r['gbps']:.0f} | "
                      f"{r['pct_copy']:.0f}% |")
-    lines.append("| model | layers | weights GiB | prefill tok/s | decode tok/s | roofline tok/s | % roofline |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append("| model | layers | weights GiB | prefill tok/s | cuBLAS prefill tok/s | decode tok/s (graphs) | "
+                 "decode tok/s (eager) | same tokens | roofline tok/s | % roofline |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for r in results["end_to_end"]:
         lines.append(f"| {r['format']} | {r['layers']}/{r['of_layers']} | {r['weight_gib']:.2f} | "
-                     f"{r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {r['roofline_tps']:.1f} | "
-                     f"{r['pct_roofline']:.0f}% |")
+                     f"{r['prefill_tps']:.0f} | {r['prefill_cublas_tps']:.0f} | {r['decode_tps']:.1f} | "
+                     f"{r['decode_eager_tps']:.1f} | {r['same_tokens']}/{r['decode_steps']} | "
+                     f"{r['roofline_tps']:.1f} | {r['pct_roofline']:.0f}% |")
     return "\n".join(lines)
 
 

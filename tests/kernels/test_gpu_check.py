@@ -25,6 +25,9 @@ def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tmp_path, capsy
     for r in results["end_to_end"]:
         assert r["layers"] == r["of_layers"] == gpu_check.TINY.layers
         assert r["decode_tps"] > 0 and r["prefill_tps"] > 0 and 0 < r["pct_roofline"]
+        assert r["decode_eager_tps"] > 0 and r["prefill_cublas_tps"] > 0
+        # the static decode path (what CUDA graphs capture, called directly here) and the eager one agree
+        assert r["decode_path"] == "static decode, no capture" and r["same_tokens"] == r["decode_steps"] > 0
     table = capsys.readouterr().out
     assert "| GEMV |" in table and "| ternary | 2/2 |" in table and "% roofline" in table
     assert "| attention KV |" in table and "| k8v4 | 1024 |" in table
