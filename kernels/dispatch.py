@@ -42,13 +42,12 @@ def triton_available() -> bool:
 
 
 def use_triton(device: torch.device | str) -> bool:
-    if os.environ.get("NINFER_NO_TRITON", "") not in ("", "0"):
+    # called a few hundred times per decode step: the CPU case reads one variable (the environment is read on every
+    # call, not cached, so tests and users may set it at any time)
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
-    if not triton_available():
-        return False
-    if torch.device(device).type == "cuda":
-        return True
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return os.environ.get("NINFER_NO_TRITON", "") in ("", "0") and triton_available()
 
 
 # ---------------------------------------------------------------------------------------------------- linear

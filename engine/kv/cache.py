@@ -71,7 +71,7 @@ class KVCache:
     def _put(data: torch.Tensor, scale: torch.Tensor | None, bits: int | None, slots: torch.Tensor,
              x: torch.Tensor) -> None:
         if scale is None:
-            data.view(-1, *data.shape[2:]).index_copy_(0, slots, x.to(data.dtype))
+            data.view(-1, *data.shape[2:]).index_copy_(0, slots, x if x.dtype == data.dtype else x.to(data.dtype))
             return
         if dispatch.kv_quant_write(x, slots, data, scale, bits, quant.group_size(bits, x.shape[-1])):
             return  # quantized and written by the Triton kernel (kernels/kv_write.py)
@@ -100,7 +100,7 @@ class KVCache:
 
         if scale is None:
             x = rows(data)
-            return x if dtype is None else x.to(dtype)
+            return x if dtype is None or dtype == x.dtype else x.to(dtype)
         return quant.dequantize(rows(data), rows(scale), bits, dtype or torch.float32)
 
     def gather_keys(self, layer: int, pages: torch.Tensor) -> torch.Tensor:

@@ -79,8 +79,9 @@ class Rotary:
             return dispatch.rope(x, positions, self.cos, self.sin)
         c, s = tables or self.tables(positions, max_position)
         half = x.shape[-1] // 2
-        xf = x.float()
-        return (xf * c + torch.cat((xf[..., half:], xf[..., :half]), -1) * s).to(x.dtype)
+        xf = x if x.dtype == torch.float32 else x.float()
+        out = xf * c + torch.cat((xf[..., half:], xf[..., :half]), -1) * s
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -104,10 +105,12 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     hkv, ctx, d = k.shape
     hq, length = q.shape[0], q.shape[1]
     group = hq // hkv
-    scores = (q.reshape(hkv, group * length, d) @ k.transpose(1, 2)).float() * scale
+    scores = q.reshape(hkv, group * length, d) @ k.transpose(1, 2)
+    scores = (scores if scores.dtype == torch.float32 else scores.float()) * scale
     if mask is not None:
         scores = scores.view(hkv, group, length, ctx).masked_fill(~mask, float("-inf")).view(hkv, group * length, ctx)
-    return (scores.softmax(-1).to(v.dtype) @ v).view(hq, length, d)
+    probs = scores.softmax(-1)
+    return ((probs if v.dtype == torch.float32 else probs.to(v.dtype)) @ v).view(hq, length, d)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
