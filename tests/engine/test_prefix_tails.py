@@ -171,10 +171,11 @@ def test_a_follow_up_reuses_the_answer_and_outputs_equal_an_engine_without_reuse
 
 @pytest.mark.usefixtures("one_thread")
 def test_aborts_preemption_and_speculative_rejections_keep_every_page_and_every_output(tiny):
-    """200 requests over a few shared prefixes and repeats, in a 10-page pool (preemption), with ngram drafts that
-    the random model mostly rejects (pages shrink), a third aborted at random points: page counts return to their
-    start, the cache's invariants hold before every step, and the greedy requests that ran to the end answer as an
-    engine without reuse and without speculation."""
+    """In a 10-page pool: first four 190-token prompts queued before the engine starts (each needs a fourth page
+    while decoding: preemption, and re-admission copies the preempted one's tail), then 200 requests over a few
+    shared prefixes and repeats, with ngram drafts that the random model mostly rejects (pages shrink), about half
+    aborted at random points: page counts return to their start, the cache's invariants hold before every step, and
+    the greedy requests that ran to the end answer as an engine without reuse and without speculation."""
     from engine.engine import Engine
     from engine.runner import ModelRunner
     from engine.spec import Speculator
@@ -186,10 +187,19 @@ def test_aborts_preemption_and_speculative_rejections_keep_every_page_and_every_
     systems = [[t for i in range(n // 8) for t in motif[:3] + random_prompt(nrng, VOCAB, 5)] for n in (60, 100, 150)]
     runner = CheckedRunner(ModelRunner(tiny, 10, torch.float32, 64))
     engine = Engine(runner, max_concurrency=4, prefill_chunk=48, max_context=640, max_shared_prefixes="auto",
-                    max_queue=256, speculator=Speculator(NgramProposer(), 3)).start()
+                    max_queue=256, speculator=Speculator(NgramProposer(), 3))
     results, failures, modes, prompts, sent = {}, {}, {}, {}, []
     try:
         threads = []
+        for i in range(4):  # queued before the engine starts: they run together, whatever the machine's load
+            rid, prompt = f"p{i}", random_prompt(nrng, VOCAB, 190)
+            modes[rid], prompts[rid] = "none", prompt
+            stream = engine.submit(prompt, greedy(20), request_id=rid)
+            threads.append(threading.Thread(target=consume_with_aborts, args=(stream, "none", 0, 0, results,
+                                                                               failures, 120)))
+        engine.start()
+        for t in threads:
+            t.start()
         for i in range(200):
             if sent and rng.random() < 0.3:
                 prompt = rng.choice(sent)
@@ -207,7 +217,7 @@ def test_aborts_preemption_and_speculative_rejections_keep_every_page_and_every_
             time.sleep(rng.uniform(0, 0.005))
         for t in threads:
             t.join(240)
-        assert not failures and len(results) == 200, failures
+        assert not failures and len(results) == 204, failures
         stats = assert_idle_and_whole(engine, runner)
     finally:
         engine.shutdown()

@@ -138,7 +138,7 @@ def test_page_counts_of_both_tiers_return_to_their_start_after_random_aborts_wit
         end = wait_idle(engine)
     finally:
         engine.shutdown()
-    assert s["aborted"] > 0 and s["finished"] > 0 and s["preemptions"] >= 0
+    assert s["aborted"] > 0 and s["finished"] > 0
     for stats in (s, end):
         assert stats["pages_free"] == start["pages_free"] == 60
         assert stats["kv_host_pages_free"] == start["kv_host_pages_free"] == 40 and stats["kv_host_pages_used"] == 0
