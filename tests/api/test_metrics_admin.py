@@ -98,6 +98,26 @@ def test_metrics_after_a_chat_request(server, http, default_engine):
     assert snap["running"] == 0 and snap["waiting"] == 0
 
 
+def test_prefix_reuse_metrics_are_the_engines(http, default_engine):
+    """The same chat sent twice: the second copies the first's partial last page (copy on write); /metrics carries
+    the prefix counters and gauges with the engine's own numbers."""
+    messages = [{"role": "user", "content": "Name three rivers of Europe, one per line, nothing else please."}]
+    for _ in range(2):
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    wait_idle(default_engine.engine)
+    samples, stats = scrape(http), default_engine.engine.stats()
+    assert stats["prefix_partial_copies"] >= 1 and stats["prefix_partial_tokens"] >= 1
+    for name, key in (("ninfer_prefix_partial_copies_total", "prefix_partial_copies"),
+                      ("ninfer_prefix_partial_tokens_total", "prefix_partial_tokens"),
+                      ("ninfer_prefix_windowed_hit_tokens_total", "prefix_windowed_hit_tokens"),
+                      ("ninfer_prefix_host_hit_tokens_total", "prefix_host_hit_tokens"),
+                      ("ninfer_prefix_hit_tokens_total", "prefix_hit_tokens"),
+                      ("ninfer_prefix_tail_pages", "prefix_tail_pages"),
+                      ("ninfer_prefix_host_pages", "prefix_host_pages")):
+        assert value(samples, name) == stats[key], name
+
+
 def test_recent_rates_cover_only_the_work_since_the_previous_scrape(http, default_engine):
     chat(http, max_tokens=4, ignore_eos=True, temperature=0)
     wait_idle(default_engine.engine)

@@ -51,8 +51,8 @@ def test_runs_are_greedy_and_summarised(tmp_path):
 
 
 def test_warm_prefix_reuses_the_cached_pages(tmp_path, capsys):
-    """ninfer-bench --warm-prefix: the second identical prompt reuses every full page; one changed last token
-    still reuses all full pages before it."""
+    """ninfer-bench --warm-prefix: the second identical prompt reuses all but its last token (full pages shared,
+    the partial last page copied); one changed last token still reuses every token before it."""
     from engine.bench import main
     from tests.engine.spec_models import tiny_folder
 
@@ -61,5 +61,5 @@ def test_warm_prefix_reuses_the_cached_pages(tmp_path, capsys):
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ") and "TTFT" not in line}
     assert "| 0 of 200 |" in rows["cold"]
-    assert "| 192 of 200 |" in rows["warm (same prompt)"]  # three full 64-token pages
-    assert "| 192 of 200 |" in rows["warm (last token changed)"]
+    assert "| 199 of 200 |" in rows["warm (same prompt)"]  # three full 64-token pages + 7 tokens copied
+    assert "| 199 of 200 |" in rows["warm (last token changed)"]
