@@ -89,3 +89,18 @@ def test_server_refuses_a_prompt_beyond_the_kv_reach_and_reports_it(monkeypatch)
             assert loaded.engine.counters["requests"] == 0
     finally:
         loaded.engine.shutdown()
+
+
+def test_loading_runs_on_a_thread_that_ends():
+    """build_engine loads on a thread of its own (engine.build.in_own_thread): results and errors come back to the
+    caller unchanged, and the thread is gone afterwards (its OpenMP pool with it)."""
+    import threading
+
+    from engine.build import in_own_thread
+
+    seen = []
+    assert in_own_thread(lambda a, b=0: seen.append(threading.current_thread()) or a + b, 2, b=3) == 5
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+    with pytest.raises(NInferError) as e:
+        in_own_thread(build_engine, None, max_context=10**9)
+    assert "--max-context 1000000000 is beyond this model's trained context" in e.value.problem
