@@ -160,3 +160,64 @@ def test_bench_passes_the_settings_through(monkeypatch):
     args = bench.build_parser().parse_args(["--cuda-graphs", "off", "--prefill-cublas"])
     assert args.cuda_graphs == "off" and args.prefill_cublas is True
     assert bench.build_parser().parse_args([]).cuda_graphs == "auto"
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph on the CPU: replay() recomputes the static forward (as a faithful graph
+    would), optionally corrupted (as a broken capture might)."""
+
+    def __init__(self, graphs, entry, corrupt: bool):
+        self.graphs, self.entry, self.corrupt, self.replays = graphs, entry, corrupt, 0
+
+    def replay(self):
+        self.replays += 1
+        out = self.graphs._forward(self.entry)
+        self.entry.out = out + 1.0 if self.corrupt else out
+
+
+def with_fake_graphs(runner, corrupt: bool = False, fail: bool = False):
+    """Makes the runner's static path record a FakeGraph for each new bucket (or fail to)."""
+    g = runner.graphs
+    make = g._entry
+
+    def entry(batch, pages):
+        if fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        new = (batch, pages) not in g.entries
+        e = make(batch, pages)
+        if new:
+            e.graph = FakeGraph(g, e, corrupt)
+        return e
+
+    g._entry = entry
+    return g
+
+
+@pytest.mark.parametrize("how", ["faithful", "corrupt", "fail"])
+def test_replay_is_checked_once_and_a_bad_capture_falls_back_to_eager(model, how, one_thread, monkeypatch, caplog):
+    """The replay path (graph recorded, inputs copied in, replay, outputs cloned): a faithful graph keeps serving
+    every step after one check against the eager static forward; a graph whose first replay differs, or a capture
+    that raises, is dropped with a warning and every step (that one included) is decoded eagerly, with the eager
+    path's logits."""
+    eager, _ = decode_logits(model, False, [9, 70], 4)
+    made, real = {}, ModelRunner
+
+    def runner_factory(*args, **kwargs):
+        runner = real(*args, **kwargs)
+        if kwargs.get("static_decode"):
+            made["graphs"] = with_fake_graphs(runner, corrupt=how == "corrupt", fail=how == "fail")
+            made["runner"] = runner
+        return runner
+
+    monkeypatch.setattr(f"{__name__}.ModelRunner", runner_factory)
+    with caplog.at_level("WARNING", logger="ninfer.graphs"):
+        static, runner = decode_logits(model, True, [9, 70], 4)
+    assert rel(static, eager) < 1e-5 and torch.equal(static.argmax(-1), eager.argmax(-1))
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    if how == "faithful":
+        assert runner.graphs is made["graphs"] and not warnings
+        [e] = runner.graphs.entries.values()
+        assert e.graph.replays == 4 and e.runs == 4
+    else:
+        assert runner.graphs is None and len(warnings) == 1
+        assert ("differs from the same step run eagerly" if how == "corrupt" else "failed") in warnings[0]
