@@ -95,14 +95,17 @@ class SpecState:
             self.next_pause = PAUSE_STEPS[0]
         return k
 
-    def record(self, drafted: int, accepted: int) -> None:
-        """A verification step: the first `accepted` of `drafted` tokens were kept (a prefix: the rest unseen)."""
+    def record(self, drafted: int, accepted: int, costs: StepCosts | None = None, ceiling: int = 0) -> None:
+        """A verification step: the first `accepted` of `drafted` tokens were kept (a prefix: the rest unseen).
+        `costs`/`ceiling` (adaptive lengths): a kept probe shortens the pauses only when drafting would now gain at
+        these step costs (a proposer as slow as the model is accepted and still never pays)."""
         self.drafted += drafted
         self.accepted += accepted
         self.steps += 1
         rejected = 1 if accepted < drafted else 0
         self.accepted_w = DECAY * self.accepted_w + accepted
         self.rejected_w = DECAY * self.rejected_w + rejected
-        if self.probe and accepted:  # a kept probe: the content may have turned predictable; pause less
+        pays = costs is None or best_length(self.acceptance, ceiling, costs) > 0
+        if self.probe and accepted and pays:  # a kept probe: the content may have turned predictable; pause less
             self.next_pause = max(PAUSE_STEPS[0], self.next_pause // 2)
         self.probe = False

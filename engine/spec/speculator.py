@@ -75,7 +75,7 @@ class Speculator:
     def verified(self, seq: Sequence, drafted: int, accepted: int, pool: PagePool) -> None:
         """After a verification step: counts, adaptive length, and the pages and proposer state of rejected tokens
         given back."""
-        self.state(seq).record(drafted, accepted)
+        self.state(seq).record(drafted, accepted, self.costs if self.adaptive else None, self.max_draft)
         c = self.counters
         c["spec_drafted"] += drafted
         c["spec_accepted"] += accepted

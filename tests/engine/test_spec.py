@@ -132,6 +132,28 @@ def test_rejections_pause_drafting_with_doubling_pauses_and_acceptance_lifts_it(
         fixed.record(3, 0)
 
 
+def test_kept_probes_that_do_not_pay_leave_the_pauses_long():
+    """A draft as slow as the model (each extra row costs a whole step, as a same-size draft model does on a CPU):
+    every draft is accepted, yet no length gains, so the pauses grow to the longest and stay there; with cheap
+    steps the same kept probes bring drafting back."""
+    dear, cheap = _costs(1.5), _costs(0.3)
+    for costs, pays in ((dear, False), (cheap, True)):
+        st = SpecState(accepted_w=0.0, rejected_w=5.0)  # starts out paused by rejections
+        pauses, drafted = [], 0
+        for _ in range(600):
+            paused = st.pause
+            k = st.length(8, costs, adaptive=True)
+            if k:
+                drafted += 1
+                st.record(k, k, costs, 8)  # everything accepted
+            elif not paused and st.pause:
+                pauses.append(st.pause)
+        if pays:
+            assert drafted > 300  # drafting came back and stayed
+        else:
+            assert pauses[:5] == [4, 8, 16, 32, 64] and set(pauses[4:]) == {64} and drafted <= 12
+
+
 def test_ngram_stops_drafting_where_nothing_is_accepted(ckpt, one_thread):
     """Random text: what little ngram drafts is mostly rejected, and the pauses keep verification steps rare."""
     rng = random.Random(3)
