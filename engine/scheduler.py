@@ -118,14 +118,8 @@ class Scheduler:
         seq.num_computed = (len(hits) + len(stored)) * self.pool.page_size
         recompute = self._readmit.pop(id(seq), None) is seq
         if self.prefix is not None:
-            c = self.prefix_counters
-            c["prefix_windowed_hit_tokens"] += seq.num_computed
-            if recompute:
-                c["prefix_recompute_hit_tokens"] += seq.num_computed
-            else:
-                c["prefix_prompt_tokens"] += len(seq.tokens)
-                c["prefix_hit_tokens"] += seq.num_computed
-                c["prefix_hits"] += bool(seq.num_computed)
+            self.prefix_counters["prefix_windowed_hit_tokens"] += seq.num_computed
+            self._count_hit(seq, recompute)
         if seq.num_computed:
             log.debug("prefix hit: windowed %s reuses %d of %d tokens (%d cached pages, %d from the host)%s",
                       seq.request_id, seq.num_computed, len(seq.tokens), len(hits), len(stored),
@@ -204,21 +198,25 @@ class Scheduler:
         if self.prefix is None:
             return True
         self.prefix.admitted(seq, hits)
-        c = self.prefix_counters
         if copied:
-            c["prefix_partial_copies"] += 1
-            c["prefix_partial_tokens"] += copied
+            self.prefix_counters["prefix_partial_copies"] += 1
+            self.prefix_counters["prefix_partial_tokens"] += copied
+        self._count_hit(seq, recompute)
+        if seq.num_computed:
+            log.debug("prefix hit: %s reuses %d of %d tokens (%d cached pages, %d from the host, %d copied)%s",
+                      seq.request_id, seq.num_computed, len(seq.tokens), len(hits), len(from_host), copied,
+                      " after preemption" if recompute else "")
+        return True
+
+    def _count_hit(self, seq: Sequence, recompute: bool) -> None:
+        """Prefix counters of an admission: a re-admission after preemption counts apart from new prompts."""
+        c = self.prefix_counters
         if recompute:
             c["prefix_recompute_hit_tokens"] += seq.num_computed
         else:
             c["prefix_prompt_tokens"] += len(seq.tokens)
             c["prefix_hit_tokens"] += seq.num_computed
             c["prefix_hits"] += bool(seq.num_computed)
-        if seq.num_computed:
-            log.debug("prefix hit: %s reuses %d of %d tokens (%d cached pages, %d from the host, %d copied)%s",
-                      seq.request_id, seq.num_computed, len(seq.tokens), len(hits), len(from_host), copied,
-                      " after preemption" if recompute else "")
-        return True
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         plan: list[tuple[Sequence, int]] = []
