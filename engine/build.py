@@ -149,7 +149,7 @@ def _build_engine(model, *, device, weight_dtype, kv_dtype, max_context, kv_capa
     fmt = weight_format(weight_dtype, weights)
     wdtype = pick_dtype("auto" if fmt or weight_dtype == "auto" else weight_dtype, dev)
     kdtype = pick_kv_dtype(kv_dtype, dev)
-    net = LlamaModel(weights, wdtype, dev, fmt)
+    net = LlamaModel(weights, wdtype, dev, fmt, keep_native=weight_dtype == "auto")
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights

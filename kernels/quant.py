@@ -167,12 +167,13 @@ def quantize_int4(w: torch.Tensor, group_size: int = 32, symmetric: bool = False
 
 
 def quantize_ternary(w: torch.Tensor, group_size: int = 64,
-                     scale_dtype: torch.dtype = torch.float16) -> QuantizedWeight:
-    """Ternary {-1, 0, +1} x per-group scale: scale = mean(|w|) per group, t = round(clip(w / scale, -1, 1))."""
+                     scale_dtype: torch.dtype = torch.float16, scale: str = "mean") -> QuantizedWeight:
+    """Ternary {-1, 0, +1} x per-group scale: scale = mean(|w|) per group (or, scale="absmax", the largest |w|:
+    exact for weights that are already ternary, such as GGUF TQ1_0), t = round(clip(w / scale, -1, 1))."""
     if group_size % 4:
         raise ValueError("ternary group_size must be a multiple of 4")
     g = _grouped(w, group_size)
-    s = g.abs().mean(-1, keepdim=True).to(scale_dtype)
+    s = (g.abs().amax(-1, keepdim=True) if scale == "absmax" else g.abs().mean(-1, keepdim=True)).to(scale_dtype)
     t = torch.round((g * _safe_inv(s.float())).clamp(-1, 1))
     packed = pack_ternary((t + 1).reshape(w.shape)).contiguous()
     return QuantizedWeight("ternary", packed, s.squeeze(-1).contiguous(), None, group_size, tuple(w.shape))

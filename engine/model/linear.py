@@ -38,14 +38,20 @@ def native_format(tensors: dict[str, Weight]) -> str | None:
     return {"int4_asym": "int4", "int4_sym": "int4", "int8": "int8", "ternary": "ternary"}[top]
 
 
-def convert(name: str, t: Weight, fmt: str, dtype: torch.dtype, device: torch.device) -> Weight:
+def convert(name: str, t: Weight, fmt: str, dtype: torch.dtype, device: torch.device,
+            keep_native: bool = False) -> Weight:
     """One tensor in the format the model runs: dense tensors for norms/embeddings, `fmt` for linear weights.
-    The output layer of a low-bit model is int8 per channel (it reads the same bytes as the embedding's Q8_0)."""
+    The output layer of a low-bit model is int8 per channel (it reads the same bytes as the embedding's Q8_0).
+    `keep_native` (--weight-dtype auto): a linear weight already in a runnable low-bit format (int4, ternary, int8
+    per channel) keeps it, even where most layers use another (a Q4_K_M file's Q6_K layers stay int8)."""
     if fmt not in LOW_BIT or not is_linear(name):
         dense = dequantize(t, torch.float32) if isinstance(t, QuantizedWeight) else t
         return dense.to(device=device, dtype=dtype)
     want = "int8" if name == "lm_head.weight" else fmt
     if isinstance(t, QuantizedWeight) and _matches(t, want):
+        return t.to(device)
+    if keep_native and isinstance(t, QuantizedWeight) and name != "lm_head.weight" \
+            and _matches(t, {"int4_asym": "int4", "int4_sym": "int4"}.get(t.format, t.format)):
         return t.to(device)
     dense = (dequantize(t, torch.float32) if isinstance(t, QuantizedWeight) else t).float()
     if want == "int8":

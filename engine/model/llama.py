@@ -53,12 +53,13 @@ class DecoderLayer:
 
 
 class LlamaModel:
-    def __init__(self, weights: LoadedWeights, dtype: torch.dtype, device: torch.device, weight_format: str = ""):
+    def __init__(self, weights: LoadedWeights, dtype: torch.dtype, device: torch.device, weight_format: str = "",
+                 keep_native: bool = False):
         """dtype: activations and dense weights; weight_format: int8 / int4 / ternary for the linear weights, or
-        empty for dense."""
+        empty for dense; keep_native: low-bit weights stored in another runnable format keep it (linear.convert)."""
         cfg = self.cfg = weights.config
         self.dtype, self.device, self.weight_format = dtype, device, weight_format or str(dtype).split(".")[-1]
-        w = {name: convert(name, t, weight_format, dtype, device)
+        w = {name: convert(name, t, weight_format, dtype, device, keep_native)
              for name, t in weights.tensors.items() if name != "rope_freqs"}
         self.embed = w["model.embed_tokens.weight"]
         head = w.get("lm_head.weight")

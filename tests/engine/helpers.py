@@ -122,8 +122,9 @@ def gguf_tensor_name(hf: str) -> str:
 def write_tiny_gguf(hf_model, path: Path, arch: str | None = None, *, overrides: dict | None = None,
                     skip: tuple[str, ...] = (), reshape: dict | None = None) -> Path:
     """Writes a transformers model's weights (F32) as a GGUF the way llama.cpp's converter lays it out:
-    GGUF tensor names, `<arch>.*` metadata, Llama q/k rows permuted. `overrides` replaces tensors (GGUF names),
-    `skip` leaves GGUF tensors out, `arch` can claim another architecture."""
+    GGUF tensor names, `<arch>.*` metadata, Llama q/k rows permuted. `overrides` replaces tensors (GGUF names; a
+    value (uint8 blocks, GGMLQuantizationType) is written as quantized blocks), `skip` leaves GGUF tensors out,
+    `arch` can claim another architecture."""
     import gguf
 
     cfg = hf_model.config
@@ -158,7 +159,12 @@ def write_tiny_gguf(hf_model, path: Path, arch: str | None = None, *, overrides:
         tensors["rope_freqs.weight"] = llama3_freq_factors(head_dim, rope["rope_theta"], rope)
     tensors.update(overrides or {})
     for name, arr in tensors.items():
-        if name not in skip:
+        if name in skip:
+            continue
+        if isinstance(arr, tuple):  # (uint8 blocks [rows, bytes], GGMLQuantizationType): stored as they are
+            blocks, qtype = arr
+            w.add_tensor(name, np.ascontiguousarray(blocks, dtype=np.uint8), raw_dtype=qtype)
+        else:
             w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
