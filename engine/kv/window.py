@@ -149,27 +149,37 @@ class TieredPages(list):
         return self.resident[position // ps] * ps + position % ps
 
     # ---- during a layer's attention ---------------------------------------------------------------------------
-    def context(self, gpu: KVCache, layer: int, q: torch.Tensor, ctx: int, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """K and V [n, Hkv, D] this step attends to for this layer, and the [q_len, n] mask (None: all visible).
+    def page_list(self, gpu: KVCache, layer: int, q: torch.Tensor, ctx: int) -> tuple[torch.Tensor, int, int]:
+        """The GPU pages this step attends to for this layer, in order: the sink and the retrieved pages (full),
+        then the window's (full but the last); the tokens they hold; and how many of those come before the window.
+        What the paged decode kernel reads (keys carry RoPE: for one query the order does not matter).
 
         q: this step's queries of the sequence [q_len, Hq, D], in the basis the keys are stored in."""
-        ps, lo, device = self.spec.page_size, self.lo, q.device
+        ps, lo = self.spec.page_size, self.lo
         last = (ctx - 1) // ps
         if lo <= 1:  # the window reaches back to the sink: one contiguous run of pages
             lo, head = 0, []
         else:
             head = [self.resident[0]] + self._retrieve(gpu, layer, q, lo)
         window = [self.resident[i] for i in range(lo, last + 1)]
-        pages = torch.tensor(head + window, dtype=torch.long, device=device)
-        length = len(head) * ps + ctx - lo * ps
+        pages = torch.tensor(head + window, dtype=torch.long, device=q.device)
+        return pages, len(head) * ps + ctx - lo * ps, len(head) * ps
+
+    def context(self, gpu: KVCache, layer: int, q: torch.Tensor, ctx: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """K and V [n, Hkv, D] this step attends to for this layer, and the [q_len, n] mask (None: all visible).
+
+        q: this step's queries of the sequence [q_len, Hq, D], in the basis the keys are stored in."""
+        device = q.device
+        pages, length, before = self.page_list(gpu, layer, q, ctx)
+        lo = 0 if before == 0 else self.lo
         keys, values = gpu.gather(layer, pages, length, dtype)
         mask = None
         q_len = q.shape[0]
         if q_len > 1:
             rows = torch.arange(q_len, device=device).unsqueeze(1) + (ctx - q_len)
-            cols = torch.arange(length, device=device).unsqueeze(0) - len(head) * ps + lo * ps
-            mask = (cols <= rows) | (torch.arange(length, device=device) < len(head) * ps).unsqueeze(0)
+            cols = torch.arange(length, device=device).unsqueeze(0) - before + lo * self.spec.page_size
+            mask = (cols <= rows) | (torch.arange(length, device=device) < before).unsqueeze(0)
         return keys, values, mask
 
     def _retrieve(self, gpu: KVCache, layer: int, q: torch.Tensor, lo: int) -> list[int]:

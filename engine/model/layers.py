@@ -126,7 +126,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     single = len(batch.seqs) == 1  # the whole step is one sequence: its result is the output, no buffer to fill
     out = None if single else torch.empty_like(q)
     for s in batch.seqs:
-        if s.tiers is not None:  # a windowed sequence: sink + retrieved + window pages (engine/kv/window.py)
+        if s.tiers is not None and s.q_len == 1 and dispatch.use_triton(q.device):
+            # windowed decode on CUDA: the kernel reads the sink, retrieved and window pages in place
+            qs = q[s.q_start:s.q_start + 1]
+            pages, length, _ = s.tiers.page_list(cache, layer, qs, s.ctx_len)
+            rows = dispatch.paged_decode_attention(
+                qs, cache.k[layer], cache.v[layer], pages[None],
+                torch.tensor([length], dtype=torch.int32, device=q.device), scale,
+                k_scale=cache.k_scale[layer] if cache.format.k.quantized else None,
+                v_scale=cache.v_scale[layer] if cache.format.v.quantized else None)
+        elif s.tiers is not None:  # a windowed sequence: sink + retrieved + window pages (engine/kv/window.py)
             qs = q[s.q_start:s.q_start + s.q_len]
             keys, values, mask = s.tiers.context(cache, layer, qs, s.ctx_len, q.dtype)
             qt, kt, vt = qs.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
