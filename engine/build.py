@@ -1,6 +1,7 @@
 """Putting an engine together: device, dtypes, weights, KV capacity, tokenizer."""
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass
@@ -89,6 +90,37 @@ def size_kv(cfg: ModelConfig, device: torch.device, context: int, auto_context: 
     return ledger
 
 
+def in_own_thread(fn):
+    """`fn` made to run on a new thread that ends when it returns (its result returned, its exception raised in the
+    caller).
+
+    On the CPU, every thread that runs parallel PyTorch ops keeps a pool of OpenMP worker threads for as long as it
+    lives. When the workers of all pools outnumber the cores, libgomp stops spinning between parallel regions and
+    every region waits for a wake-up: the engine thread decoding after the model was loaded on another, still living,
+    thread measured 29.8 ms a token against 17.0 ms when its pool was the only one (SmolLM2 int4, 2 threads on
+    2 cores). Loading on a thread that ends leaves the engine thread's pool alone."""
+
+    @functools.wraps(fn)
+    def on_own_thread(*args, **kwargs):
+        result: dict = {}
+
+        def run():
+            try:
+                result["value"] = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller as is
+                result["error"] = e
+
+        worker = threading.Thread(target=run, name="ninfer-load", daemon=True)
+        worker.start()
+        worker.join()
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    return on_own_thread
+
+
+@in_own_thread
 def build_engine(model: str | Path | None = None, *, device: str = "auto", weight_dtype: str = "auto",
                  kv_dtype: str = "auto", max_context: int = 0, kv_capacity: str | int = "auto",
                  kv_headroom_mib: int = 1024, max_concurrency: int = 4, prefill_chunk: int = 512, threads: int = 0,
@@ -98,40 +130,8 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
                  spec: str = "none", draft_tokens: int = 0, draft_model: str | None = None,
                  lm_head_draft: bool = False, prefill_cublas: bool = False, cuda_graphs: str = "auto",
                  progress: Progress | None = None, cancel: threading.Event | None = None) -> LoadedEngine:
-    """Loads the model and builds its engine (see engine.config for what each setting means). The loading runs on
-    a thread of its own that ends with it: see `in_own_thread`."""
-    settings = {k: v for k, v in locals().items() if k != "model"}
-    return in_own_thread(_build_engine, model, **settings)
-
-
-def in_own_thread(fn, *args, **kwargs):
-    """fn(*args, **kwargs) on a new thread that ends when fn returns (its result returned, its exception raised here).
-
-    On the CPU, every thread that runs parallel PyTorch ops keeps a pool of OpenMP worker threads for as long as it
-    lives. When the workers of all pools outnumber the cores, libgomp stops spinning between parallel regions and
-    every region waits for a wake-up: the engine thread decoding after the model was loaded on another, still living,
-    thread measured 29.8 ms a token against 17.0 ms when its pool was the only one (SmolLM2 int4, 2 threads on
-    2 cores). Loading on a thread that ends leaves the engine thread's pool alone."""
-    result: dict = {}
-
-    def run():
-        try:
-            result["value"] = fn(*args, **kwargs)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller as is
-            result["error"] = e
-
-    worker = threading.Thread(target=run, name="ninfer-load", daemon=True)
-    worker.start()
-    worker.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
-
-
-def _build_engine(model, *, device, weight_dtype, kv_dtype, max_context, kv_capacity, kv_headroom_mib,
-                  max_concurrency, prefill_chunk, threads, max_queue, max_shared_prefixes, kv_window, kv_retrieve,
-                  kv_ring, host_kv_mib, host_pageable, allow_lossy_window, kv_reuse_hostbacked, spec, draft_tokens,
-                  draft_model, lm_head_draft, prefill_cublas, cuda_graphs, progress, cancel) -> LoadedEngine:
+    """Loads the model and builds its engine (see engine.config for what each setting means), on a thread of its
+    own that ends with the loading (`in_own_thread`)."""
     import time
 
     from engine.hardware import resolve_device

@@ -190,12 +190,24 @@ def quantize(w: torch.Tensor, fmt: str, group_size: Optional[int] = None) -> Qua
     raise ValueError(f"unknown weight format {fmt!r}; known: {FORMATS}")
 
 
-def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float weight [out, in] the format stands for (computed in float32, then cast to `dtype`).
-    This is the PyTorch twin of the Triton `dequantize_to` kernel and the definition every quantized GEMM must meet."""
+    This is the PyTorch twin of the Triton `dequantize_to` kernel and the definition every quantized GEMM must meet.
+    `out` (float32 [out, in]): written in place instead, with no float temporaries (the codes are copied in, then
+    offset, scaled and shifted in place: the same float32 operations, so the same values)."""
     out_f, in_f = qw.shape
     shape = (out_f, qw.num_groups, qw.group_size)
     c = codes(qw)
+    if out is not None:
+        out.copy_(c)
+        if qw.format in ("int4_sym", "ternary"):
+            out.sub_(8 if qw.format == "int4_sym" else 1)
+        groups = out.view(shape)
+        groups.mul_(qw.scales.unsqueeze(-1))  # a float32 product, as below
+        if qw.mins is not None:
+            groups.add_(qw.mins.unsqueeze(-1))
+        return out
     if qw.format == "int8":
         q = c.float()
     elif qw.format == "int4_sym":

@@ -116,7 +116,7 @@ class DenseScratch:
         """qw dequantized to `dtype`, [out, in]: a view of a shared buffer, valid until the next call."""
         if dispatch.use_triton(qw.device):
             return dispatch.dequantize_to(qw, dtype)
-        w = dequantize_into(qw, self._buffer(torch.float32, qw.shape, qw.device))
+        w = dequantize(qw, out=self._buffer(torch.float32, qw.shape, qw.device))
         return w if dtype == torch.float32 else self._buffer(dtype, qw.shape, qw.device).copy_(w)
 
     def linear(self, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -125,31 +125,6 @@ class DenseScratch:
             cd = dispatch.CPU_COMPUTE_DTYPE
         y = F.linear(x.to(cd), self.weight(qw, cd)).to(x.dtype)
         return y if bias is None else y + bias.to(y.dtype)
-
-
-def dequantize_into(qw: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
-    """kernels.quant.dequantize(qw, out.dtype) written into `out` [out_features, in_features] in place, without
-    whole-matrix temporaries (codes are copied into `out`, then scaled in place). Bit-identical to `dequantize` for a
-    float32 `out` (the same float32 multiply, then add), and for every format but int4_asym in half dtypes (which
-    round after the multiply and again after the add)."""
-    fmt, (n, k) = qw.format, qw.shape
-    if fmt == "int8":
-        out.copy_(qw.qweight)
-    elif fmt.startswith("int4"):
-        pairs = out.view(n, k // 2, 2)
-        pairs[..., 0].copy_(qw.qweight & 15)
-        pairs[..., 1].copy_(qw.qweight >> 4)
-    else:
-        quads = out.view(n, k // 4, 4)
-        for s in range(4):
-            quads[..., s].copy_((qw.qweight >> (2 * s)) & 3)
-    if fmt in ("int4_sym", "ternary"):
-        out.sub_(8 if fmt == "int4_sym" else 1)
-    groups = out.view(n, qw.num_groups, qw.group_size)
-    groups.mul_(qw.scales.unsqueeze(-1))  # mixed dtypes compute in float32, as dequantize does
-    if qw.mins is not None:
-        groups.add_(qw.mins.unsqueeze(-1))
-    return out
 
 
 def enable_dense_prefill(model, min_rows: int) -> DenseScratch:

@@ -99,8 +99,8 @@ def test_loading_runs_on_a_thread_that_ends():
     from engine.build import in_own_thread
 
     seen = []
-    assert in_own_thread(lambda a, b=0: seen.append(threading.current_thread()) or a + b, 2, b=3) == 5
+    assert in_own_thread(lambda a, b=0: seen.append(threading.current_thread()) or a + b)(2, b=3) == 5
     assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
     with pytest.raises(NInferError) as e:
-        in_own_thread(build_engine, None, max_context=10**9)
+        build_engine(None, max_context=10**9)
     assert "--max-context 1000000000 is beyond this model's trained context" in e.value.problem

@@ -4,7 +4,7 @@ the same greedy tokens, and no memory per layer."""
 import pytest
 import torch
 
-from engine.model.linear import PREFILL_DENSE_ROWS, DenseScratch, Linear, dequantize_into
+from engine.model.linear import PREFILL_DENSE_ROWS, DenseScratch, Linear
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_weights
 from engine.runner import ModelRunner, Work
@@ -31,10 +31,10 @@ def assert_close(on, off, tolerance):
 
 @pytest.mark.parametrize("fmt, group", [("int8", None), ("int8", 32), ("int4_asym", 32), ("int4_sym", 32),
                                         ("ternary", 64)])
-def test_dequantize_into_is_dequantize(fmt, group):
+def test_dequantize_in_place_is_dequantize(fmt, group):
     qw = quantize(torch.randn(96, 256), fmt, group)
     out = torch.full((96, 256), float("nan"))
-    assert torch.equal(dequantize_into(qw, out), dequantize(qw, torch.float32))
+    assert torch.equal(dequantize(qw, out=out), dequantize(qw, torch.float32))
 
 
 def tiny_model(tmp_path, fmt):
