@@ -14,23 +14,19 @@ windowed (TieredPages) sequences, and steps while MTP reads hidden states; the u
 """
 from __future__ import annotations
 
-import inspect
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from engine.errors import NInferError
-from engine.kv import quant as kv_quant
+from engine.kv.window import TieredPages
 from engine.model.batch import DecodeTable, ForwardBatch
 from kernels import dispatch
 
 log = logging.getLogger("ninfer.graphs")
 
 MAX_BATCH = 256  # the largest --max-concurrency
-# whether the paged decode kernel (and its twin) read quantized KV pages (k_scale/v_scale); else the static path
-# gathers and dequantizes the bucket's pages itself
-_KERNEL_READS_CODES = "k_scale" in inspect.signature(dispatch.paged_decode_attention).parameters
 
 
 def bucket(n: int) -> int:
@@ -61,33 +57,14 @@ def static_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
                            scale: float) -> torch.Tensor:
     """Decode attention of a static batch: q/k/v [B, H, D], one token per row; writes k/v to the rows' slots, then
     every row attends over its page-table row up to its context length: the paged decode kernel (Triton where it
-    runs, its PyTorch twin otherwise). Quantized KV with a kernel that reads only float pages: the bucket's pages are
-    gathered and dequantized, and positions past each context masked (fixed shapes: [B, P * page_size])."""
+    runs, its PyTorch twin otherwise), reading float or quantized pages in place."""
     cache, table = batch.kv, batch.decode
     cache.write(layer, batch.slots, k, v)
     q = cache.rotate_queries(q)
     fmt = cache.format
-    if not fmt.quantized or _KERNEL_READS_CODES:
-        scales = dict(k_scale=cache.k_scale[layer] if fmt.k.quantized else None,
-                      v_scale=cache.v_scale[layer] if fmt.v.quantized else None) if fmt.quantized else {}
-        return dispatch.paged_decode_attention(q, cache.k[layer], cache.v[layer], table.page_table, table.ctx_lens,
-                                               scale, **scales)
-    b = table.page_table.shape[0]
-    idx = table.page_table.long().flatten()
-
-    def rows(data, scale, part):  # [B, P * page_size, Hkv, D] float32
-        x = data.index_select(0, idx)
-        if part.quantized:
-            x = kv_quant.dequantize(x, scale.index_select(0, idx), part.bits, torch.float32)
-        return x.float().view(b, -1, *x.shape[2:])
-    keys, values = rows(cache.k[layer], cache.k_scale[layer], fmt.k), rows(cache.v[layer], cache.v_scale[layer], fmt.v)
-    hkv, d = keys.shape[-2:]
-    group = q.shape[1] // hkv
-    qg = q.float().view(b, hkv, group, d)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * scale
-    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < table.ctx_lens.long()[:, None]  # [B, L]
-    probs = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
-    return torch.einsum("bhgl,blhd->bhgd", probs, values).reshape(q.shape).to(q.dtype)
+    return dispatch.paged_decode_attention(q, cache.k[layer], cache.v[layer], table.page_table, table.ctx_lens, scale,
+                                           k_scale=cache.k_scale[layer] if fmt.k.quantized else None,
+                                           v_scale=cache.v_scale[layer] if fmt.v.quantized else None)
 
 
 @dataclass
@@ -128,7 +105,7 @@ class DecodeGraphs:
         if not works or any(len(w.tokens) != 1 or w.logits not in ("last", "all") for w in works):
             return "not a decode step"  # prefill, mixed and verification steps: expected, not logged
         reason = None
-        if any(not isinstance(w.pages, list) for w in works):
+        if any(isinstance(w.pages, TieredPages) for w in works):
             reason = "a windowed (TieredPages) sequence"
         elif getattr(self.model, "keep_hidden", False):
             reason = "MTP drafting reads the hidden states"

@@ -56,15 +56,10 @@ def test_static_decode_matches_eager(model, lens, one_thread):
     assert sum(e.runs for e in g.entries.values()) == 5  # buckets reused, not one static set per step
 
 
-@pytest.mark.parametrize("gather", [False, True], ids=["kernel", "gather"])
 @pytest.mark.parametrize("kv_dtype", ["k8v8", "k4v4", "rk4v4"])
-def test_static_decode_with_quantized_kv(model, kv_dtype, gather, one_thread, monkeypatch):
-    """Quantized KV: the static path passes the codes and scales to the paged kernel (its twin here) where that
-    reads them, or ("gather") dequantizes the bucket's pages itself and masks past each context; either reads the
-    same codes the eager path dequantizes, so only the summation order differs."""
-    from engine.model import graphs
-    if gather:
-        monkeypatch.setattr(graphs, "_KERNEL_READS_CODES", False)
+def test_static_decode_with_quantized_kv(model, kv_dtype, one_thread):
+    """Quantized KV: the static path passes the codes and scales to the paged kernel (its twin here), which reads
+    the same codes the eager path dequantizes, so only the summation order differs."""
     eager, _ = decode_logits(model, False, [70, 5, 130], 4, kv_dtype)
     static, runner = decode_logits(model, True, [70, 5, 130], 4, kv_dtype)
     assert rel(static, eager) < 1e-5
@@ -102,9 +97,28 @@ def test_only_plain_decode_steps_run_static(model, one_thread):
     finally:
         model.keep_hidden = False
 
-    class Tiered:  # anything but a page list: a windowed sequence's TieredPages
-        pass
-    assert g.why_not([Work([1], 5, Tiered())]) == "a windowed (TieredPages) sequence"
+
+def test_windowed_sequences_decode_eagerly_with_the_eager_tokens(model, one_thread):
+    """A windowed sequence's table (TieredPages, itself a list of its GPU pages in no logical order) is not a page
+    list the static path can read: its decode steps run eagerly, and the tokens are those of a runner without the
+    static path."""
+    from engine.engine import Engine
+
+    prompt = torch.randint(2, 512, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def generate(static: bool):
+        runner = ModelRunner(model, 40, torch.float32, PAGE, host_pages=16, static_decode=static)
+        engine = Engine(runner, max_concurrency=1, prefill_chunk=128, max_context=1024, kv_window=128,
+                        kv_retrieve=512).start()
+        try:
+            tokens = [o.token_ids for o in engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0.0))]
+        finally:
+            engine.shutdown()
+        return tokens, runner
+
+    static, runner = generate(True)
+    assert runner.graphs.steps == 0  # every decode step of the windowed sequence ran eagerly
+    assert static == generate(False)[0]
 
 
 def test_engine_greedy_tokens_are_the_eager_engines(model, one_thread):
