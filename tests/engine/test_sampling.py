@@ -63,7 +63,7 @@ def test_each_filter_matches_transformers(kind, value, seed):
     if kind == "temperature":
         assert kept == V
     else:
-        assert 1 <= kept < V  # the filter really removed something
+        assert kept == int(torch.isfinite(ref).sum()) < V  # transformers keeps as many; something was removed
     if kind == "top_k":
         assert kept == value
 
