@@ -186,7 +186,7 @@ class Engine:
         seconds = time.perf_counter() - t0
         prefill = decode = 0
         hidden = self.runner.model.hidden if self.speculator is not None and self.speculator.needs_hidden else None
-        kept, row = [], 0
+        kept, row, chosen = [], 0, []
         for (seq, n), rows, work in zip(plan, logits, works):
             if hidden is not None:
                 kept.append((seq, work.start, row))
@@ -207,8 +207,10 @@ class Engine:
             seq.num_computed += n + len(emitted) - 1  # the KV of the accepted drafts is kept
             self.scheduler.computed(seq)
             decode += len(emitted) if n == 1 else len(emitted) - 1
+            chosen.append((seq, emitted, draft))
+        self._account(prefill, decode, seconds)  # before any caller can see its request finished
+        for seq, emitted, draft in chosen:
             self._emit(seq, emitted, draft)
-        self._account(prefill, decode, seconds)
         if hidden is not None:  # MTP: its KV follows the positions kept, and it drafts for the next step
             self.speculator.observe([(seq, start, hidden[row:row + seq.num_computed - start]) for seq, start, row in kept
                                      if seq.status is Status.RUNNING])

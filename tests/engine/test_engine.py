@@ -148,6 +148,31 @@ def test_max_tokens_stops_with_reason_length(tiny_runner):
 
 
 @pytest.mark.usefixtures("one_thread")
+def test_counters_hold_a_step_before_its_outputs_reach_the_caller(tiny_runner, monkeypatch):
+    """A client that reads the stats right after its request finished (the /metrics recent window) must see the
+    request's tokens counted: the step is accounted before its outputs are pushed."""
+    from engine.stream import RequestStream
+
+    engine = make_engine(tiny_runner)
+    seen = []
+    push = RequestStream.push
+
+    def recording_push(stream, out):
+        if out.finished:  # runs on the engine thread, at the moment the caller could first see the end
+            seen.append((out.completion_tokens, engine.stats()["decode_tokens"], engine.stats()["prefill_tokens"]))
+        push(stream, out)
+
+    monkeypatch.setattr(RequestStream, "push", recording_push)
+    try:
+        for n in (1, 5):
+            collect(engine.submit(list(range(10, 30)), greedy(n)))
+    finally:
+        engine.shutdown()
+    # the first token comes from the prefill step; each later one from a decode step
+    assert seen == [(1, 0, 20), (5, 4, 40)]
+
+
+@pytest.mark.usefixtures("one_thread")
 def test_eos_and_stop_tokens_stop_with_reason_stop(tiny_runner):
     prompt = list(range(40, 70))
     engine = make_engine(tiny_runner)
