@@ -63,8 +63,10 @@ class ModelRunner:
                 seqs.append(SeqSlice(q_start, n, ctx, None, w.pages))
             else:
                 slots.extend(w.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
-                pages = torch.tensor(w.pages[: -(-ctx // self.page_size)], dtype=torch.long, device=self.device)
-                seqs.append(SeqSlice(q_start, n, ctx, pages))
+                held = w.pages[: -(-ctx // self.page_size)]
+                pages = torch.tensor(held, dtype=torch.long, device=self.device)
+                run = held[-1] - held[0] == len(held) - 1 and held == list(range(held[0], held[-1] + 1))
+                seqs.append(SeqSlice(q_start, n, ctx, pages, first_page=held[0] if run else None))
             if w.logits == "all":
                 row_spans.append((len(rows), n))
                 rows.extend(range(q_start, q_start + n))

@@ -12,7 +12,7 @@ The converted layouts are cached on the QuantizedWeight (`qw.cache`), keyed by p
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,17 +44,39 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
-def int8pack_linear(x: torch.Tensor, qw: QuantizedWeight,
-                    compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """y = x @ dequantize(qw).T via `_weight_int8pack_mm` (per-channel int8). The op runs in `compute_dtype`
-    (default x.dtype; fp32 activations are slow in ATen's kernel, bf16 fast: see docs/KERNELS.md); y in x.dtype."""
-    cd = compute_dtype or x.dtype
+def _returning(op, n: int, cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> op(x as contiguous [M, K] rows in `cd`) as [..., n] in x's dtype: the few tensor ops a decode step's
+    linear layer pays besides the GEMM itself (called ~120 times a token: no per-call lookups here)."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        y = op(_flat(x.to(cd)))
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return run
+
+
+def int8pack_fn(qw: QuantizedWeight, cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ dequantize(qw).T through `_weight_int8pack_mm`, computed in `cd` (the weight's operands prepared)."""
     key = ("int8pack", cd)
     scales = qw.cache.get(key)
     if scales is None:
         scales = qw.cache[key] = qw.scales.reshape(-1).to(cd).contiguous()
-    y = torch.ops.aten._weight_int8pack_mm(_flat(x.to(cd)), qw.qweight, scales)
-    return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
+    op, w = torch.ops.aten._weight_int8pack_mm.default, qw.qweight
+    return _returning(lambda x: op(x, w, scales), qw.out_features, cd)
+
+
+def int4pack_fn(qw: QuantizedWeight, cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ dequantize(qw).T through `_weight_int4pack_mm_for_cpu`, computed in `cd`."""
+    packed, sz = int4pack_prepare(qw, cd)
+    op, group = torch.ops.aten._weight_int4pack_mm_for_cpu.default, qw.group_size
+    return _returning(lambda x: op(x, packed, group, sz), qw.out_features, cd)
+
+
+def int8pack_linear(x: torch.Tensor, qw: QuantizedWeight,
+                    compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """y = x @ dequantize(qw).T via `_weight_int8pack_mm` (per-channel int8). The op runs in `compute_dtype`
+    (default x.dtype; fp32 activations are slow in ATen's kernel, bf16 fast: see docs/KERNELS.md); y in x.dtype."""
+    return int8pack_fn(qw, compute_dtype or x.dtype)(x)
 
 
 def int4pack_prepare(qw: QuantizedWeight, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,10 +102,7 @@ def int4pack_linear(x: torch.Tensor, qw: QuantizedWeight,
                     compute_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """y = x @ dequantize(qw).T via `_weight_int4pack_mm_for_cpu` (int4_asym, int4_sym, ternary), run in
     `compute_dtype` (default x.dtype); y in x.dtype."""
-    cd = compute_dtype or x.dtype
-    packed, sz = int4pack_prepare(qw, cd)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(_flat(x.to(cd)), packed, qw.group_size, sz)
-    return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
+    return int4pack_fn(qw, compute_dtype or x.dtype)(x)
 
 
 def dequant_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:

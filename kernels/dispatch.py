@@ -63,6 +63,15 @@ def cpu_linear_path(qw: QuantizedWeight, x_dtype: torch.dtype = torch.float32,
     return "dequant"
 
 
+def _cpu_linear_fn(qw: QuantizedWeight, x_dtype: torch.dtype, compute_dtype: Optional[torch.dtype]):
+    path = cpu_linear_path(qw, x_dtype, compute_dtype)
+    if path == "int8pack":
+        return cpu.int8pack_fn(qw, compute_dtype or x_dtype)
+    if path == "int4pack":
+        return cpu.int4pack_fn(qw, compute_dtype or x_dtype)
+    return functools.partial(cpu.dequant_linear, qw=qw)
+
+
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None, *,
            prefill_dense: bool = False,
            cpu_compute_dtype: Optional[torch.dtype] = CPU_COMPUTE_DTYPE) -> torch.Tensor:
@@ -74,13 +83,11 @@ def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = 
             return F.linear(x, qlinear.dequantize_to(qw, x.dtype), bias)
         return qlinear.qlinear(x, qw, bias)
     if x.device.type == "cpu":
-        path = cpu_linear_path(qw, x.dtype, cpu_compute_dtype)
-        if path == "int8pack":
-            y = cpu.int8pack_linear(x, qw, cpu_compute_dtype)
-        elif path == "int4pack":
-            y = cpu.int4pack_linear(x, qw, cpu_compute_dtype)
-        else:
-            y = cpu.dequant_linear(x, qw)
+        key = ("cpu_linear", x.dtype, cpu_compute_dtype)
+        run = qw.cache.get(key)
+        if run is None:  # decided once per weight and activation dtype, then a direct call (decode is op-bound)
+            run = qw.cache[key] = _cpu_linear_fn(qw, x.dtype, cpu_compute_dtype)
+        y = run(x)
         return y if bias is None else y + bias.to(y.dtype)
     return F.linear(x, dequantize(qw, x.dtype), bias)
 

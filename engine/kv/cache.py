@@ -79,21 +79,25 @@ class KVCache:
         data.view(-1, *data.shape[2:]).index_copy_(0, slots, codes)
         scale.view(-1, *scale.shape[2:]).index_copy_(0, slots, s)
 
-    def gather(self, layer: int, pages: torch.Tensor, length: int,
-               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, pages: torch.Tensor, length: int, dtype: torch.dtype | None = None,
+               first_page: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `length` tokens' K and V along the page list, each [length, Hkv, D], in `dtype` (default: the
-        stored float dtype, or float32 for quantized parts). K of an rk* format is in the rotated basis."""
+        stored float dtype, or float32 for quantized parts). K of an rk* format is in the rotated basis.
+        `first_page`, when the pages are the consecutive ids first_page, first_page + 1, ...: a float part is then
+        returned as a view of the cache (read-only for the caller), not a copy."""
         fmt = self.format
         k = self._take(self.k[layer], self.k_scale[layer] if fmt.k.quantized else None, fmt.k.bits, pages,
-                       length, dtype)
+                       length, dtype, first_page)
         v = self._take(self.v[layer], self.v_scale[layer] if fmt.v.quantized else None, fmt.v.bits, pages,
-                       length, dtype)
+                       length, dtype, first_page)
         return k, v
 
     @staticmethod
     def _take(data: torch.Tensor, scale: torch.Tensor | None, bits: int | None, pages: torch.Tensor, length: int,
-              dtype: torch.dtype | None) -> torch.Tensor:
+              dtype: torch.dtype | None, first_page: int | None = None) -> torch.Tensor:
         def rows(t):
+            if first_page is not None:
+                return t[first_page:first_page + pages.numel()].view(-1, *t.shape[2:])[:length]
             if pages.numel() == 1:
                 return t[int(pages[0]), :length]
             return t.index_select(0, pages).view(-1, *t.shape[2:])[:length]

@@ -10,7 +10,7 @@ that way too when it is released (a "tail"): it is never shared again, only copi
 """
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from typing import Protocol
 
 
@@ -30,7 +30,9 @@ class PagePool:
     def __init__(self, num_pages: int, page_size: int):
         self.num_pages = num_pages
         self.page_size = page_size
-        self._free: deque[int] = deque(range(num_pages))
+        # a min-heap: the lowest free ids go first, so a sequence's pages tend to be consecutive ids, which the
+        # CPU attention path reads as one view of the cache instead of gathering them (KVCache.gather)
+        self._free: list[int] = list(range(num_pages))
         self._refs = [0] * num_pages
         self.cache: PageCache | None = None  # set by engine.kv.prefix.PrefixCache when prefix reuse is on
 
@@ -69,7 +71,7 @@ class PagePool:
             raise MemoryError(f"asked for {num_pages} KV pages, {self.num_free} free")
         pages = []
         for _ in range(num_pages):
-            page = self._free.popleft() if self._free else self.cache.evict()
+            page = heapq.heappop(self._free) if self._free else self.cache.evict()
             assert self._refs[page] == 0, f"page {page} handed out while held"
             self._refs[page] = 1
             pages.append(page)
@@ -91,12 +93,12 @@ class PagePool:
                 raise ValueError(f"KV page {page} released more often than it was held")
             self._refs[page] = refs
             if refs == 0 and not (self.cache is not None and self.cache.released(page)):
-                self._free.append(page)
+                heapq.heappush(self._free, page)
 
     def give_back(self, page: int) -> None:
         """A page the cache stopped keeping while no one holds it: free again."""
         assert self._refs[page] == 0
-        self._free.append(page)
+        heapq.heappush(self._free, page)
 
     def grow_to(self, pages: list[int], num_tokens: int) -> bool:
         """Extends a sequence's page list to hold num_tokens; False (and no change) when the pool is short.

@@ -13,6 +13,7 @@ class SeqSlice:
     ctx_len: int  # tokens in its KV after this step (earlier context + q_len)
     pages: torch.Tensor | None  # page ids covering ctx_len tokens, in order (None for a windowed sequence)
     tiers: "object | None" = None  # engine.kv.window.TieredPages of a windowed sequence, prepared for this step
+    first_page: int | None = None  # set when `pages` are consecutive ids: the CPU path reads them as a view, no copy
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per-step tensors every layer reuses
 
     def causal_mask(self, device) -> torch.Tensor:

@@ -152,7 +152,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                 s.ctx_lens(q.device), scale, k_scale=cache.k_scale[layer] if cache.format.k.quantized else None,
                 v_scale=cache.v_scale[layer] if cache.format.v.quantized else None)
         else:
-            keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype)  # [ctx, Hkv, D], in q's dtype
+            keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype, s.first_page)  # [ctx, Hkv, D], in q's dtype
             qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
             kt, vt = keys.transpose(0, 1), values.transpose(0, 1)
             if s.q_len <= FEW_QUERIES:
