@@ -38,6 +38,8 @@ class KVCache:
 
         self.k, self.k_scale = alloc(self.format.k)
         self.v, self.v_scale = alloc(self.format.v)
+        # caches addressed by the same page ids (an MTP module's own layer): copy_pages copies their pages too
+        self.followers: list[KVCache] = []
 
     # ---- sizes ------------------------------------------------------------------------------------------------
     @staticmethod
@@ -129,6 +131,8 @@ class KVCache:
         for group in (self.k, self.v, self.k_scale, self.v_scale):
             for t in group or ():
                 t.index_copy_(0, dst, t.index_select(0, src))
+        for cache in self.followers:
+            cache.copy_pages(src, dst)
 
 
 def _zeros(shape, dtype, device, pin: bool) -> torch.Tensor:

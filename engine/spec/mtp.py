@@ -99,6 +99,7 @@ class MTPProposer:
         target.keep_hidden = True
         # its own one-layer KV cache, addressed by the target sequences' page ids
         self.runner = ModelRunner(self.module, runner.pool.num_pages, runner.kv.kv_dtype, runner.page_size)
+        runner.kv.followers.append(self.runner.kv)  # a prefix's copied tail page brings its MTP KV along
         self.target_pool = runner.pool
         self.layout = weights.layout
         self._pending: dict[str, tuple[int, list[int]]] = {}  # request id -> (len(tokens) it was drafted for, drafts)

@@ -398,6 +398,30 @@ def test_mtp_drafts_match_a_transformers_reference(ckpt, one_thread):
     engine._drain(block=False)
 
 
+def test_mtp_kv_follows_a_copied_prefix_tail(ckpt):
+    """Prefix reuse copies a cached partial page into the new sequence's own page: the MTP module's KV (its own
+    cache at the same page ids) is copied with it, so its drafts attend real keys at the reused positions."""
+    loaded = build_engine(str(ckpt["mtp-qwen3-next"]), max_context=256, max_concurrency=1, spec="mtp")
+    engine = loaded.engine
+    copies = []
+    copy = engine.runner.kv.copy_pages
+    engine.runner.kv.copy_pages = lambda src, dst: copies.append((list(src), list(dst))) or copy(src, dst)
+    engine.start()
+    try:
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        first = engine.generate(PROMPTS[1][:40], params)
+        again = engine.generate(PROMPTS[1][:40], params)
+        copied = engine.stats()["prefix_partial_tokens"]
+    finally:
+        engine.shutdown()
+    assert again == first and copies and copied > 0
+    (src,), (dst,) = copies[0]
+    mtp = engine.speculator.proposer.runner.kv
+    assert mtp is not engine.runner.kv and mtp.k[0][src, :copied].abs().sum() > 0
+    for part in (mtp.k[0], mtp.v[0]):
+        torch.testing.assert_close(part[dst, :copied], part[src, :copied], rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- the default model
 
 @pytest.fixture(scope="module")
