@@ -48,7 +48,8 @@ def _returning(op, n: int, cd: torch.dtype) -> Callable[[torch.Tensor], torch.Te
     """x -> op(x as contiguous [M, K] rows in `cd`) as [..., n] in x's dtype: the few tensor ops a decode step's
     linear layer pays besides the GEMM itself (called ~120 times a token: no per-call lookups here)."""
     def run(x: torch.Tensor) -> torch.Tensor:
-        y = op(_flat(x.to(cd)))
+        rows = x.to(cd) if x.dtype != cd else x  # a fresh (contiguous) copy when the dtype changes
+        y = op(rows.contiguous() if x.dim() == 2 else _flat(rows))
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
