@@ -159,7 +159,6 @@ class Engine:
                 seq = self.scheduler.find(arg)
                 if seq is not None:
                     self._end(seq, "abort")
-                    self.counters["aborted"] += 1
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -202,7 +201,6 @@ class Engine:
                 emitted = self._choose(seq, rows if draft else rows[-1:], draft)
             except ConstraintError as e:
                 self._end(seq, "error", str(e))
-                self.counters["errors"] += 1
                 continue
             seq.num_computed += n + len(emitted) - 1  # the KV of the accepted drafts is kept
             self.scheduler.computed(seq)
@@ -274,13 +272,14 @@ class Engine:
         self._release(seq)
 
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Ends a sequence early (abort or error): counted before its caller sees the end."""
         self._finish(seq, reason)
+        self.counters["errors" if reason == "error" else "aborted"] += 1
         seq.sink(RequestOutput(seq.request_id, [], True, reason, len(seq.prompt), len(seq.output), error=error))
 
     def _fail_all(self, message: str, reason: str = "error") -> None:
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
             self._end(seq, reason, message if reason == "error" else None)
-            self.counters["errors" if reason == "error" else "aborted"] += 1
 
 
 def _token_logprob(token: int, logprobs, top_n: int) -> TokenLogprob:

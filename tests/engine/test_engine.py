@@ -159,17 +159,24 @@ def test_counters_hold_a_step_before_its_outputs_reach_the_caller(tiny_runner, m
 
     def recording_push(stream, out):
         if out.finished:  # runs on the engine thread, at the moment the caller could first see the end
-            seen.append((out.completion_tokens, engine.stats()["decode_tokens"], engine.stats()["prefill_tokens"]))
+            stats = engine.stats()
+            seen.append((out.finish_reason, out.completion_tokens, stats["decode_tokens"], stats["prefill_tokens"],
+                         stats["aborted"]))
         push(stream, out)
 
     monkeypatch.setattr(RequestStream, "push", recording_push)
     try:
         for n in (1, 5):
             collect(engine.submit(list(range(10, 30)), greedy(n)))
+        stream = engine.submit(list(range(10, 30)), greedy(100))
+        next(iter(stream))
+        engine.abort(stream.request_id)
+        collect(stream)
     finally:
         engine.shutdown()
-    # the first token comes from the prefill step; each later one from a decode step
-    assert seen == [(1, 0, 20), (5, 4, 40)]
+    # the first token comes from the prefill step; each later one from a decode step; an abort is counted too
+    assert seen[:2] == [("length", 1, 0, 20, 0), ("length", 5, 4, 40, 0)]
+    assert seen[2][0] == "abort" and seen[2][4] == 1
 
 
 @pytest.mark.usefixtures("one_thread")
