@@ -245,10 +245,10 @@ class Engine:
                             logprobs=logprobs if seq.params.logprobs is not None else None)
         if seq.spec is not None:
             out.spec_drafted, out.spec_accepted = seq.spec.drafted, seq.spec.accepted
-        if seq.finish_reason:
+        if seq.finish_reason:  # counted before it leaves the running list: a reader sees it running or counted
+            self.counters["finished"] += 1
             self._finish(seq, seq.finish_reason)
             out.finished, out.finish_reason = True, seq.finish_reason
-            self.counters["finished"] += 1
         seq.sink(out)
 
     def _account(self, prefill: int, decode: int, seconds: float) -> None:
@@ -272,9 +272,10 @@ class Engine:
         self._release(seq)
 
     def _end(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """Ends a sequence early (abort or error): counted before its caller sees the end."""
-        self._finish(seq, reason)
+        """Ends a sequence early (abort or error): counted before it leaves the scheduler and its caller sees the
+        end."""
         self.counters["errors" if reason == "error" else "aborted"] += 1
+        self._finish(seq, reason)
         seq.sink(RequestOutput(seq.request_id, [], True, reason, len(seq.prompt), len(seq.output), error=error))
 
     def _fail_all(self, message: str, reason: str = "error") -> None:

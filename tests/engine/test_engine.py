@@ -165,6 +165,15 @@ def test_counters_hold_a_step_before_its_outputs_reach_the_caller(tiny_runner, m
         push(stream, out)
 
     monkeypatch.setattr(RequestStream, "push", recording_push)
+    left = []  # (finished + aborted) as each sequence leaves the running list: it must count that sequence
+    finish = engine.scheduler.finish
+
+    def recording_finish(seq, reason):
+        stats = engine.stats()
+        left.append(stats["finished"] + stats["aborted"])
+        finish(seq, reason)
+
+    monkeypatch.setattr(engine.scheduler, "finish", recording_finish)
     try:
         for n in (1, 5):
             collect(engine.submit(list(range(10, 30)), greedy(n)))
@@ -177,6 +186,7 @@ def test_counters_hold_a_step_before_its_outputs_reach_the_caller(tiny_runner, m
     # the first token comes from the prefill step; each later one from a decode step; an abort is counted too
     assert seen[:2] == [("length", 1, 0, 20, 0), ("length", 5, 4, 40, 0)]
     assert seen[2][0] == "abort" and seen[2][4] == 1
+    assert left == [1, 2, 3]
 
 
 @pytest.mark.usefixtures("one_thread")
