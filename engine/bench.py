@@ -351,8 +351,10 @@ def _run(args, command: str) -> int:
         print(format_api_table(ours, api))
     if args.json:
         result = dict(command=command, machine=facts, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                      repeat=args.repeat, ninfer=ours, transformers=theirs, ratio=ratio,
+                      repeat=args.repeat, ninfer=ours, peer=args.compare if theirs else None, ratio=ratio,
                       via_api=api if args.via_api else None)
+        if theirs:  # the peer's column under its own name ("transformers" or "llama.cpp")
+            result[args.compare] = theirs
         args.json.write_text(json.dumps(result, indent=2))
     return 0
 

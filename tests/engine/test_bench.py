@@ -50,7 +50,7 @@ def test_bench_default_model_no_compare(tmp_path, capsys):
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     _check_column(result, "ninfer")
-    assert result["transformers"] is None and result["ratio"] is None
+    assert result["peer"] is None and result["ratio"] is None and "transformers" not in result
     assert result["ninfer"]["prefix_hit_tokens"] == 0  # every run prefilled the whole prompt
     assert "measured memory bandwidth" in result["machine"]
     text = capsys.readouterr().out
@@ -65,6 +65,7 @@ def test_bench_compare_transformers_tiny_folder(tmp_path, capsys):
     result = json.loads(out.read_text())
     _check_column(result, "ninfer")
     _check_column(result, "transformers")
+    assert result["peer"] == "transformers"
     assert result["ninfer"]["weight_bytes"] == result["transformers"]["weight_bytes"]
     assert set(result["ratio"]) == set(KEYS) and all(r > 0 for r in result["ratio"].values())
     text = capsys.readouterr().out

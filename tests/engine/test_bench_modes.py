@@ -63,3 +63,24 @@ def test_warm_prefix_reuses_the_cached_pages(tmp_path, capsys):
     assert "| 0 of 200 |" in rows["cold"]
     assert "| 199 of 200 |" in rows["warm (same prompt)"]  # three full 64-token pages + 7 tokens copied
     assert "| 199 of 200 |" in rows["warm (last token changed)"]
+
+
+def test_compare_llamacpp_reports_the_peer_under_its_name(tmp_path, monkeypatch, capsys):
+    """ninfer-bench --compare llama.cpp on the default GGUF, with a stand-in Llama: the table names llama.cpp, the
+    JSON keeps its column under "llama.cpp", and the greedy agreement line compares the two token lists."""
+    import json
+
+    from engine import bench_llamacpp as peer
+    from engine.bench import main
+
+    monkeypatch.setattr(peer, "load_llamacpp", lambda path, threads, context: FakeLlama(path))
+    out = tmp_path / "bench.json"
+    assert main(["--weight-dtype", "auto", "--compare", "llama.cpp", "--prompt-tokens", "16", "--gen-tokens", "4",
+                 "--repeat", "1", "--threads", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["peer"] == "llama.cpp" and "transformers" not in result
+    assert result["llama.cpp"]["tokens"] == [10, 11, 12, 13] and set(result["ratio"]) >= {"decode_tps", "ttft_s"}
+    text = capsys.readouterr().out
+    header = next(line for line in text.splitlines() if line.startswith("| metric"))
+    assert "llama.cpp" in header
+    assert "greedy outputs agree on the first 0 of 4 tokens" in text  # the stand-in's tokens are not the model's
