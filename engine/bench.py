@@ -350,11 +350,9 @@ def _run(args, command: str) -> int:
         from engine.bench_api import format_api_table
         print(format_api_table(ours, api))
     if args.json:
+        peer = {"peer": args.compare, args.compare: theirs} if theirs else {"peer": None}  # under its own name
         result = dict(command=command, machine=facts, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                      repeat=args.repeat, ninfer=ours, peer=args.compare if theirs else None, ratio=ratio,
-                      via_api=api if args.via_api else None)
-        if theirs:  # the peer's column under its own name ("transformers" or "llama.cpp")
-            result[args.compare] = theirs
+                      repeat=args.repeat, ninfer=ours, **peer, ratio=ratio, via_api=api if args.via_api else None)
         args.json.write_text(json.dumps(result, indent=2))
     return 0
 
