@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from engine.bench_machine import LoadMeter, machine_facts
+
 # Deterministic English filler; repeated until the prompt is long enough, then cut to the exact token count.
 FILLER = (
     "The history of the lighthouse is a story of engineering, weather and patience. Early keepers burned wood "
@@ -147,68 +149,6 @@ def bench_transformers(model, prompt_ids: list[int], gen_tokens: int, repeat: in
         weights, kv_per_pos, len(prompt_ids), gen_tokens)), weight_bytes=weights)
 
 
-def measure_bandwidth(device: torch.device, rows: int = 49152, cols: int = 576, repeat: int = 20) -> float:
-    """Reference read bandwidth in GB/s: a vector times a rows x cols fp32 matrix (F.linear), median time."""
-    w = torch.randn(rows, cols, device=device)
-    x = torch.randn(1, cols, device=device)
-    times = []
-    for _ in range(repeat + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return w.numel() * w.element_size() / statistics.median(times[2:]) / 1e9
-
-
-class LoadMeter:
-    """CPU time other processes used while the benchmark ran, in cores (0.0 on an otherwise idle machine)."""
-
-    def __enter__(self):
-        import psutil
-
-        self._me = psutil.Process()
-        self._start = (self._busy(psutil.cpu_times()), self._own(), time.perf_counter())
-        return self
-
-    def __exit__(self, *exc):
-        import psutil
-
-        busy, own, t0 = self._start
-        other = (self._busy(psutil.cpu_times()) - busy) - (self._own() - own)
-        self.cores = max(other, 0.0) / (time.perf_counter() - t0)
-
-    @staticmethod
-    def _busy(t) -> float:
-        return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
-
-    def _own(self) -> float:
-        t = self._me.cpu_times()
-        return t.user + t.system
-
-
-def machine_facts(loaded, threads: int) -> dict:
-    import psutil
-
-    from engine.hardware import _cpu_name
-
-    device = loaded.device
-    return {
-        "cpu": _cpu_name(),
-        "cores": f"{psutil.cpu_count(logical=False)} physical, {os.cpu_count()} logical",
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "threads": threads,
-        "dtype": str(loaded.dtype).removeprefix("torch.") + " (transformers and NInfer's activations)",
-        "ninfer weights": loaded.engine.runner.model.weight_format,
-        "model": f"{loaded.path.name} ({loaded.config.name or loaded.config.arch})",
-        "weight bytes": loaded.engine.runner.model.weight_bytes(),
-        "measured memory bandwidth": f"{measure_bandwidth(device):.2f} GB/s (F.linear, 1x576 by 49152x576 fp32)",
-    }
-
-
 def ratios(ours: dict, theirs: dict) -> dict:
     """> 1 always means ours is better: throughput ours/theirs, TTFT theirs/ours."""
     return {key: (ours[key] / theirs[key] if higher else theirs[key] / ours[key])
@@ -269,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NInfer only: low-bit layers run prefill chunks as dense matmuls (--prefill-cublas true)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="NInfer only: decode steps replayed as CUDA graphs (auto: on with CUDA and Triton)")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="NInfer only: also profile N decode steps by ATen operator (torch.profiler)")
     p.add_argument("--via-api", action="store_true",
                    help="also measure through the HTTP server (streaming) and compare with engine-direct")
     return p
@@ -276,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.repeat < 1:
-        print("ninfer-bench: need --prompt-tokens >= 1, --gen-tokens >= 2 and --repeat >= 1", file=sys.stderr)
+    if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.repeat < 1 or args.profile_steps < 0:
+        print("ninfer-bench: need --prompt-tokens >= 1, --gen-tokens >= 2, --repeat >= 1 and --profile-steps >= 0",
+              file=sys.stderr)
         return 2
     threads_before = torch.get_num_threads()
     try:
@@ -323,6 +266,10 @@ def _run(args, command: str) -> int:
                 api = bench_via_api(loaded, prompt, args.gen_tokens, args.repeat)
         finally:
             loaded.engine.shutdown()
+        profiled = None
+        if args.profile_steps > 0:
+            from engine.bench_profile import profile_decode
+            profiled = profile_decode(loaded.engine, prompt, args.profile_steps)
         if args.compare == "transformers":
             model = load_transformers(loaded.path, loaded.dtype, loaded.device)
             theirs = bench_transformers(model, prompt, args.gen_tokens, args.repeat)
@@ -349,10 +296,14 @@ def _run(args, command: str) -> int:
     if args.via_api:
         from engine.bench_api import format_api_table
         print(format_api_table(ours, api))
+    if profiled:
+        print(f"\ndecode step profile: {profiled['steps']} steps, {profiled['aten_calls_per_step']:.0f} ATen calls "
+              f"and {profiled['ms_per_step']:.1f} ms a step under the profiler\n{profiled['table']}")
     if args.json:
         peer = {"peer": args.compare, args.compare: theirs} if theirs else {"peer": None}  # under its own name
         result = dict(command=command, machine=facts, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                      repeat=args.repeat, ninfer=ours, **peer, ratio=ratio, via_api=api if args.via_api else None)
+                      repeat=args.repeat, ninfer=ours, **peer, ratio=ratio, via_api=api if args.via_api else None,
+                      profile=profiled and {k: v for k, v in profiled.items() if k != "table"})
         args.json.write_text(json.dumps(result, indent=2))
     return 0
 

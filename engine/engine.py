@@ -127,6 +127,17 @@ class Engine:
                     pages_cached=self.pool.num_cached, **s.prefix_stats(), **tier_stats(self.runner, self.tiers, s),
                     **(self.speculator.stats() if self.speculator is not None else {}))
 
+    def step(self) -> bool:
+        """Runs the engine on the calling thread, for tools and tests (never while the engine thread runs): applies
+        the queued requests and aborts, then one step; True while work remains."""
+        if self._thread is not None:
+            raise RuntimeError("Engine.step() is for an engine whose thread is not running")
+        if not self._drain(block=False):
+            raise RuntimeError("the engine was asked to stop")
+        if self.scheduler.has_work():
+            self._step()
+        return self.scheduler.has_work()
+
     # ---- the engine thread ----------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:

@@ -84,3 +84,34 @@ def test_compare_llamacpp_reports_the_peer_under_its_name(tmp_path, monkeypatch,
     header = next(line for line in text.splitlines() if line.startswith("| metric"))
     assert "llama.cpp" in header
     assert "greedy outputs agree on the first 0 of 4 tokens" in text  # the stand-in's tokens are not the model's
+
+
+def test_profile_steps_counts_each_layers_operators_per_decode_step(tmp_path, capsys):
+    """ninfer-bench --profile-steps 3 on a tiny model: three decode steps profiled after the prefill; each layer's
+    decode attention is one baddbmm (scores) and one bmm (P @ V) per step, printed and kept in the JSON."""
+    import json
+
+    from engine.bench import main
+    from tests.engine.spec_models import tiny_folder
+
+    folder = tiny_folder(tmp_path, "t", 1)
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    out = tmp_path / "bench.json"
+    assert main([str(folder), "--compare", "none", "--prompt-tokens", "40", "--gen-tokens", "6", "--repeat", "1",
+                 "--threads", "1", "--profile-steps", "3", "--json", str(out)]) == 0
+    profile = json.loads(out.read_text())["profile"]
+    assert profile["steps"] == 3 and profile["ms_per_step"] > 0
+    calls = {op["op"]: op["calls_per_step"] for op in profile["ops"]}
+    assert calls["aten::baddbmm"] == layers and calls["aten::bmm"] == layers
+    assert profile["aten_calls_per_step"] >= sum(calls.values()) - 1e-9
+    assert abs(sum(op["share"] for op in profile["ops"]) - 1) < 1e-6
+    text = capsys.readouterr().out
+    assert "decode step profile: 3 steps" in text and "aten::" in text
+
+
+@pytest.mark.parametrize("flag,value", [("--profile-steps", "-1"), ("--gen-tokens", "1"), ("--repeat", "0")])
+def test_bad_counts_are_refused_with_what_is_needed(flag, value, capsys):
+    from engine.bench import main
+
+    assert main([flag, value]) == 2
+    assert "--profile-steps >= 0" in capsys.readouterr().err

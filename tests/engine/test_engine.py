@@ -352,3 +352,20 @@ def test_random_aborts_return_every_page(tiny_runner):
         assert runner.pool.num_free == start_free
     finally:
         engine.shutdown()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_step_runs_the_engine_on_the_calling_thread_only_when_its_thread_is_stopped(tiny_runner):
+    engine = make_engine(tiny_runner)
+    try:
+        with pytest.raises(RuntimeError, match="thread is not running"):
+            engine.step()
+        threaded = engine.generate(list(range(10, 30)), greedy(5))
+    finally:
+        engine.shutdown()
+    stream = engine.submit(list(range(10, 30)), greedy(5))
+    steps = 1
+    while engine.step():
+        steps += 1
+    tokens, last = collect(stream)
+    assert tokens == threaded and last.finish_reason == "length" and steps == 5  # one prefill, four decode steps

@@ -410,7 +410,8 @@ def bench_kv_dtypes(prompt_tokens: int = 512, gen_tokens: int = 64, repeat: int 
     Run: python -m tests.engine.test_kv_quant   (docs/KV.md has the numbers)."""
     import dataclasses
 
-    from engine.bench import LoadMeter, bench_engine, build_prompt
+    from engine.bench import bench_engine, build_prompt
+    from engine.bench_machine import LoadMeter
     from engine.build import build_engine
     from engine.engine import Engine
 
