@@ -119,6 +119,15 @@ class KVCache:
         """Every tensor of one layer (codes and scales), each indexed by page id first."""
         return [group[layer] for group in (self.k, self.v, self.k_scale, self.v_scale) if group]
 
+    def decode_attention(self, layer: int, q: torch.Tensor, page_table: torch.Tensor, ctx_lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """One token per row of q [B, Hq, D] attending over its page-table row [B, P] up to ctx_lens [B]: the paged
+        decode kernel (kernels.dispatch), reading this layer's float or quantized pages in place."""
+        fmt = self.format
+        return dispatch.paged_decode_attention(q, self.k[layer], self.v[layer], page_table, ctx_lens, scale,
+                                               k_scale=self.k_scale[layer] if fmt.k.quantized else None,
+                                               v_scale=self.v_scale[layer] if fmt.v.quantized else None)
+
     def rotate_queries(self, q: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D] in the basis gather's K is in: rotated for the rk* formats, q itself otherwise."""
         return quant.rotate(q) if self.format.k.rotate else q

@@ -172,13 +172,12 @@ class TieredPages(list):
         q: this step's queries of the sequence [q_len, Hq, D], in the basis the keys are stored in."""
         device = q.device
         pages, length, before = self.page_list(gpu, layer, q, ctx)
-        lo = 0 if before == 0 else self.lo
         keys, values = gpu.gather(layer, pages, length, dtype)
         mask = None
         q_len = q.shape[0]
-        if q_len > 1:
+        if q_len > 1:  # the window's rows are positions ctx - (length - before) .. ctx - 1; the ones before, all seen
             rows = torch.arange(q_len, device=device).unsqueeze(1) + (ctx - q_len)
-            cols = torch.arange(length, device=device).unsqueeze(0) - before + lo * self.spec.page_size
+            cols = torch.arange(length, device=device).unsqueeze(0) + (ctx - length)
             mask = (cols <= rows) | (torch.arange(length, device=device) < before).unsqueeze(0)
         return keys, values, mask
 

@@ -26,11 +26,13 @@ class SeqSlice:
             self._memo[key] = torch.arange(self.ctx_len, device=device).unsqueeze(0) <= rows
         return self._memo[key]
 
-    def ctx_lens(self, device) -> torch.Tensor:
-        """[1] int32 ctx_len on the device, for the paged-attention kernel (built once per step)."""
-        key = ("ctx", str(device))
+    def ctx_lens(self, device, length: int | None = None) -> torch.Tensor:
+        """[1] int32 tokens attended to (ctx_len, or a windowed sequence's `length`) on the device, for the
+        paged-attention kernel (built once per step and length, not once per layer)."""
+        n = self.ctx_len if length is None else length
+        key = ("ctx", n, str(device))
         if key not in self._memo:
-            self._memo[key] = torch.tensor([self.ctx_len], dtype=torch.int32, device=device)
+            self._memo[key] = torch.tensor([n], dtype=torch.int32, device=device)
         return self._memo[key]
 
 

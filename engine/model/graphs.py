@@ -60,11 +60,7 @@ def static_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     runs, its PyTorch twin otherwise), reading float or quantized pages in place."""
     cache, table = batch.kv, batch.decode
     cache.write(layer, batch.slots, k, v)
-    q = cache.rotate_queries(q)
-    fmt = cache.format
-    return dispatch.paged_decode_attention(q, cache.k[layer], cache.v[layer], table.page_table, table.ctx_lens, scale,
-                                           k_scale=cache.k_scale[layer] if fmt.k.quantized else None,
-                                           v_scale=cache.v_scale[layer] if fmt.v.quantized else None)
+    return cache.decode_attention(layer, cache.rotate_queries(q), table.page_table, table.ctx_lens, scale)
 
 
 @dataclass

@@ -133,11 +133,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             # windowed decode on CUDA: the kernel reads the sink, retrieved and window pages in place
             qs = q[s.q_start:s.q_start + 1]
             pages, length, _ = s.tiers.page_list(cache, layer, qs, s.ctx_len)
-            rows = dispatch.paged_decode_attention(
-                qs, cache.k[layer], cache.v[layer], pages[None],
-                torch.tensor([length], dtype=torch.int32, device=q.device), scale,
-                k_scale=cache.k_scale[layer] if cache.format.k.quantized else None,
-                v_scale=cache.v_scale[layer] if cache.format.v.quantized else None)
+            rows = cache.decode_attention(layer, qs, pages[None], s.ctx_lens(q.device, length), scale)
         elif s.tiers is not None:  # a windowed sequence: sink + retrieved + window pages (engine/kv/window.py)
             qs = q[s.q_start:s.q_start + s.q_len]
             keys, values, mask = s.tiers.context(cache, layer, qs, s.ctx_len, q.dtype)
@@ -150,10 +146,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
         elif s.q_len == 1 and dispatch.use_triton(q.device):
             # decode on CUDA: the Triton kernel reads the pages in place, float or quantized (dequantized in
             # registers; rk* keys against the rotated q above) (kernels/paged_attention.py)
-            rows = dispatch.paged_decode_attention(
-                q[s.q_start:s.q_start + 1], cache.k[layer], cache.v[layer], s.pages[None],
-                s.ctx_lens(q.device), scale, k_scale=cache.k_scale[layer] if cache.format.k.quantized else None,
-                v_scale=cache.v_scale[layer] if cache.format.v.quantized else None)
+            rows = cache.decode_attention(layer, q[s.q_start:s.q_start + 1], s.pages[None], s.ctx_lens(q.device),
+                                          scale)
         else:
             keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype, s.first_page)  # [ctx, Hkv, D], in q's dtype
             qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
