@@ -66,6 +66,10 @@ def model_info(path: str | Path | None) -> ModelInfo:
     else:
         with open(p, "rb") as f:
             magic = f.read(4)
+        if magic != b"GGUF" and p.suffix.lower() == ".gguf":
+            raise ModelLoadError(f"{p.name} is not a readable GGUF file: it does not start with the GGUF header "
+                                 f"(it may be incomplete or damaged).",
+                                 "Download it again, or pick another model.")
         if magic != b"GGUF":
             raise ModelLoadError(f"{p.name} is neither a GGUF file nor a model folder.",
                                  "Pick a .gguf file, or a folder with config.json and *.safetensors.")

@@ -2,34 +2,39 @@
 
 Checks run live (debounced) as anything changes. The slow parts run off the GUI thread: the hardware probe (imports
 torch, asks NVML) once, and reading a model's header once per file. Start stays disabled while any check is an
-error. Loading shows a progress bar and can be cancelled.
+error; a problem that one value fixes has a link that applies it. Picking a preset over the user's edits asks first.
+Loading shows a progress bar and can be cancelled; once the weights are in, it says the engine is warming up.
 """
 from __future__ import annotations
 
 import asyncio
 import html
 import os
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
 from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QFormLayout, QHBoxLayout, QInputDialog, QLabel,
-                               QMessageBox, QProgressBar, QPushButton, QScrollArea, QSizePolicy, QSplitter, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QProgressBar,
+                               QPushButton, QScrollArea, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
 
 from app import theme
 from app.asyncutil import spawn
 from app.checks_panel import ChecksPanel
 from app.estimate import ModelInfo
+from app.launcher_presets import PresetsMixin
 from app.remote_dialog import RemoteDialog
 from app.settings_form import SettingsForm
-from app.settings_model import Preset, baseline, changed_values, find_preset, presets, save_user_preset
+from app.settings_model import Preset, baseline, changed_values, find_preset
 from app.validation import Check, Validation, model_check, validate
+from app.widgets import guard_wheel, remember_size, restore_size
+from app.wording import EMBEDDED_NAME
 
-EMBEDDED_LABEL = "Embedded: SmolLM2-135M-Instruct (Q4_1, runs anywhere)"
+EMBEDDED_LABEL = f"Embedded: {EMBEDDED_NAME} (Q4_1, runs anywhere)"
+WARMUP_AT = 0.999  # loading progress from which the weights are in and the engine warms up
 
 
-class LauncherWindow(QWidget):
+class LauncherWindow(PresetsMixin, QWidget):
     """``controller`` is the app's Controller (start_local, cancel_loading, connect_remote, config)."""
 
     validated = Signal()
@@ -46,13 +51,18 @@ class LauncherWindow(QWidget):
         self.load_error: str | None = None
         self.auto_start = False  # ninfer --start: start as soon as the checks pass
         self.notice = ""  # shown after the status until the next start (e.g. "loading cancelled")
+        self.warmup_started: float | None = None  # when the weights were all in (the engine then warms up)
+        self.preset_ref: str | None = None  # the preset the form is based on (to ask before replacing edits)
+        # asks what to do with the user's edits when another preset is picked: "keep", "discard" or "cancel"
+        self.ask_preset = self._ask_preset
         self.setObjectName("Launcher")
         self.setWindowTitle("NInfer — start a model")
         self.setWindowIcon(theme.app_icon())
-        self.resize(1100, 760)
+        self.setMinimumSize(640, 480)
         self._timer = QTimer(self, singleShot=True, interval=150)
         self._timer.timeout.connect(self.revalidate)
         self._build()
+        restore_size(self, self.config, "launcher", (1100, 760))
         self._restore()
         spawn(self._probe(), "hardware-probe")
 
@@ -71,6 +81,7 @@ class LauncherWindow(QWidget):
         title.setObjectName("Title")
         subtitle = QLabel("Run a model on this computer behind an OpenAI-compatible API.")
         subtitle.setObjectName("Subtitle")
+        subtitle.setWordWrap(True)
         titles.addWidget(title)
         titles.addWidget(subtitle)
         head.addLayout(titles, 1)
@@ -127,12 +138,13 @@ class LauncherWindow(QWidget):
         scroll = QScrollArea()
         scroll.setWidgetResizable(True)
         scroll.setWidget(self.form)
-        scroll.setMinimumWidth(430)
+        scroll.setMinimumWidth(300)
         split.addWidget(scroll)
 
         self.checks = ChecksPanel()
         self.memory_bar = self.checks.memory_bar
         self.checks_label = self.checks.checks_label
+        self.checks.fix_requested.connect(self.apply_fix)
         split.addWidget(self.checks)
         split.setStretchFactor(0, 5)
         split.setStretchFactor(1, 4)
@@ -158,6 +170,9 @@ class LauncherWindow(QWidget):
         bottom.addWidget(self.cancel_button)
         bottom.addWidget(self.start_button)
         outer.addLayout(bottom)
+        self.status.setWordWrap(True)
+        self.status.setMinimumWidth(120)
+        guard_wheel(self.model_combo, self.preset_combo)
 
     # ---- state -------------------------------------------------------------------------------------------------------
     def _fill_models(self, select: str | None) -> None:
@@ -184,15 +199,6 @@ class LauncherWindow(QWidget):
             self._model_changed()
         else:
             self.model_combo.setCurrentIndex(i)
-
-    def _fill_presets(self, select: str | None) -> None:
-        self.preset_combo.clear()
-        self.preset_combo.addItem("(none: defaults)", None)
-        for p in presets():
-            self.preset_combo.addItem(p.label, p.ref)
-            self.preset_combo.setItemData(self.preset_combo.count() - 1, str(p.path), Qt.ItemDataRole.ToolTipRole)
-        i = self.preset_combo.findData(select) if select else 0
-        self.preset_combo.setCurrentIndex(max(i, 0))
 
     def _restore(self) -> None:
         last = self.config.last or {}
@@ -249,10 +255,6 @@ class LauncherWindow(QWidget):
             spawn(self._read_model(model), "read-model")
         self.schedule()
 
-    def _preset_picked(self, *_args) -> None:
-        self.form.set_values(baseline(self.preset))
-        self.schedule()
-
     def schedule(self) -> None:
         self._timer.start()
 
@@ -262,7 +264,11 @@ class LauncherWindow(QWidget):
         self.schedule()
 
     async def _read_model(self, model: str | None) -> None:
-        self.model_infos[model] = await asyncio.to_thread(model_check, model)
+        info, problem = self.model_infos[model] = await asyncio.to_thread(model_check, model)
+        if problem is not None and model and model in self.config.recent_models and Path(model).exists():
+            self.config.forget_model(model)  # a broken file does not come back in the list at the next start
+            self.model_infos[model] = (None, Check(problem.level, problem.area, problem.message,
+                                                   problem.remedy + " It was taken off the recent models."))
         self.schedule()
 
     def revalidate(self) -> Validation:
@@ -296,7 +302,12 @@ class LauncherWindow(QWidget):
     def _show(self, v: Validation) -> None:
         self.checks.show_validation(v, self.load_error)
 
+    def hideEvent(self, event) -> None:
+        remember_size(self, self.config, "launcher")
+        super().hideEvent(event)
+
     def closeEvent(self, event) -> None:
+        remember_size(self, self.config, "launcher")
         handler = getattr(self.controller, "launcher_closing", None)
         if handler is None:
             event.accept()
@@ -323,18 +334,6 @@ class LauncherWindow(QWidget):
         self.config.add_recent_model(path)
         self.select_model(path)
 
-    def save_preset(self) -> None:
-        name, ok = QInputDialog.getText(self, "Save as preset", "Name of the new preset:")
-        if not ok or not name.strip():
-            return
-        try:
-            preset = save_user_preset(name, self.form.values())
-        except (ValueError, OSError) as e:
-            QMessageBox.warning(self, "Save as preset", str(e))
-            return
-        self._fill_presets(preset.ref)
-        self.schedule()
-
     def start(self) -> None:
         v = self.revalidate()
         if not v.ok or v.settings is None or self.loading:
@@ -359,6 +358,8 @@ class LauncherWindow(QWidget):
         self.preset_combo.setEnabled(not loading)
         self.remote_button.setEnabled(not loading)
         self.start_button.setEnabled(False)
+        self.warmup_started = None
+        self.progress.setRange(0, 1000)
         if loading:
             self.progress.setValue(0)
             self.status.setText("Starting…")
@@ -366,8 +367,17 @@ class LauncherWindow(QWidget):
             self.schedule()
 
     def loading_progress(self, fraction: float, message: str) -> None:
-        self.progress.setValue(int(fraction * 1000))
-        self.status.setText(f"Loading the model… {fraction:.0%}" + (f"  ({message})" if message else ""))
+        if fraction < WARMUP_AT:
+            self.progress.setRange(0, 1000)
+            self.progress.setValue(int(fraction * 1000))
+            self.status.setText(f"Loading the weights… {fraction:.0%}" + (f"  ({message})" if message else ""))
+            return
+        # the weights are in; the engine builds its KV pools, warms up and compiles before it answers
+        if self.warmup_started is None:
+            self.warmup_started = time.monotonic()
+        self.progress.setRange(0, 0)  # busy: the engine reports no fraction for this part
+        seconds = time.monotonic() - self.warmup_started
+        self.status.setText(f"Weights loaded. Warming up: building the KV cache pools and compiling… {seconds:.0f} s")
 
     def loading_finished(self, ok: bool, error: str = "") -> None:
         self.set_loading(False)

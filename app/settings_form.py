@@ -1,7 +1,8 @@
 """The launcher's settings editor, generated from the one settings schema (engine/settings_table.py).
 
 Each setting's ``type``, ``choices``, ``minimum`` and ``maximum`` pick its widget; its ``help`` is the tooltip.
-Numbers that also take ``auto`` or may be unset show that as the spin box's lowest entry. A value this version does
+Numbers that also take ``auto`` or may be unset show that as the spin box's lowest entry. Fields are labelled in
+words (app/wording.py), not flags; the wheel edits a field only while it has the focus. A value this version does
 not support is marked in the choices; settings whose only supported value is the default are shown read-only (with
 what would provide them), unless a preset set them, so the problem can be reset away. Each row has a reset button.
 """
@@ -16,6 +17,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout
 from engine.settings_table import Setting, show_value
 
 from app.settings_model import FORM_SETTINGS, MAIN_SETTINGS, defaults
+from app.widgets import guard_wheel
+from app.wording import label as field_label
 
 INT_MAX = 2**31 - 1
 GROUP_TITLES = {"server": "Server", "model": "Model", "memory": "Memory", "speculative": "Speculative decoding",
@@ -101,7 +104,7 @@ class SettingEditor(QWidget):
         layout.addWidget(w, 1)
         self.reset = QToolButton()
         self.reset.setText("↺")
-        self.reset.setToolTip(f"Reset {s.name} to its default ({show_value(s.default)})")
+        self.reset.setToolTip(f"Reset {field_label(s.name)} to its default ({show_value(s.default)})")
         self.reset.clicked.connect(lambda: self.set_value(s.default))
         layout.addWidget(self.reset)
         self.changed.connect(self._update)
@@ -181,7 +184,7 @@ class SettingsForm(QWidget):
                 layout.addWidget(box)
             form = box.layout()
             editor = SettingEditor(s)
-            label = QLabel(s.name.replace("_", " ") + (" (later)" if editor.fixed else ""))
+            label = QLabel(field_label(s.name) + (" (later)" if editor.fixed else ""))
             label.setToolTip(tooltip(s))
             if editor.fixed:
                 label.setObjectName("Muted")
@@ -190,6 +193,7 @@ class SettingsForm(QWidget):
             self.editors[s.name] = editor
             self.rows[s.name] = (label, editor, form)
         layout.addStretch(1)
+        guard_wheel(self)
         self._update_visibility()
 
     def _changed(self) -> None:

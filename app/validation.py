@@ -11,6 +11,7 @@ from typing import Any, Mapping
 
 from app.estimate import MemoryEstimate, ModelInfo, estimate, model_info
 from app.settings_model import Effective, Preset, effective, shown
+from app.wording import model_name
 
 LEVELS = ("ok", "info", "warning", "error")
 
@@ -127,7 +128,7 @@ def validate(form: Mapping[str, Any], model: str | None, preset: Preset | None, 
     if info is not None:
         v.info = info
         cfg = info.config
-        v.checks.append(Check("ok", "model", f"{info.name}: {cfg.arch}, {cfg.num_layers} layers, "
+        v.checks.append(Check("ok", "model", f"{model_name(model)}: {cfg.arch}, {cfg.num_layers} layers, "
                                              f"{info.params / 1e6:,.0f}M parameters, context {cfg.max_position:,}."))
 
     for problem in eff.problems:

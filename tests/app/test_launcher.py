@@ -17,6 +17,7 @@ def launcher(qapp, qloop, app_home):
     controller = make_controller(app_home, "launcher")
     controller.start_local = Recorder()  # these tests never load a model
     w = controller.launcher
+    w.ask_preset = lambda edits, preset: "discard"  # (a preset picked over edits asks; see test_launcher_words)
     w.show()
     wait_until(lambda: w.report is not None and None in w.model_infos, timeout=TIMEOUT)
     yield w

@@ -1,0 +1,156 @@
+"""The launcher as a first-time user meets it: fields and problems in words (not flags), fixes one click away,
+presets that ask before replacing edits, the wheel that scrolls instead of editing, a broken model file named as
+such, the warm-up after the weights, and a window that fits 800 x 600."""
+from __future__ import annotations
+
+import pytest
+from PySide6.QtCore import QPoint, QPointF, Qt
+from PySide6.QtGui import QWheelEvent
+from PySide6.QtWidgets import QApplication, QLabel, QPushButton
+
+from tests.app.conftest import Recorder, make_controller, wait_until
+
+TIMEOUT = 120_000
+
+
+@pytest.fixture(scope="module")
+def launcher(qapp, qloop, app_home):
+    controller = make_controller(app_home, "words")
+    controller.start_local = Recorder()  # these tests never load a model
+    w = controller.launcher
+    w.show()
+    wait_until(lambda: w.report is not None and None in w.model_infos, timeout=TIMEOUT)
+    yield w
+    w.hide()
+
+
+def wheel(widget, steps: int = 3) -> None:
+    for _ in range(steps):
+        pos = QPointF(widget.width() / 2, widget.height() / 2)
+        event = QWheelEvent(pos, widget.mapToGlobal(pos), QPoint(0, 0), QPoint(0, -120), Qt.MouseButton.NoButton,
+                            Qt.KeyboardModifier.NoModifier, Qt.ScrollPhase.NoScrollPhase, False)
+        QApplication.sendEvent(widget, event)
+
+
+def test_the_wheel_over_an_unfocused_spin_box_changes_nothing(launcher):
+    w = launcher
+    w.form.set_values({})
+    spin = w.form.editors["kv_headroom_mib"].widget
+    combo = w.form.editors["kv_dtype"].widget
+    before = spin.value(), combo.currentIndex(), w.preset_combo.currentIndex()
+    w.activateWindow()
+    w.start_button.setFocus()
+    for target in (spin, combo, w.preset_combo):
+        wheel(target)
+    assert (spin.value(), combo.currentIndex(), w.preset_combo.currentIndex()) == before
+    assert spin.focusPolicy() == Qt.FocusPolicy.StrongFocus  # a click or Tab focuses it; the wheel does not
+    spin.setFocus()
+    wait_until(spin.hasFocus, 2000)
+    wheel(spin, 1)
+    assert spin.value() != before[0]  # focused, it takes the wheel as usual
+
+
+def test_a_preset_over_edits_asks_first(launcher):
+    w = launcher
+    w.preset_combo.setCurrentIndex(0)
+    w.form.set_values({})
+    w.preset_ref = None
+    w.form.set_value("port", 18183)
+    asked = []
+    w.ask_preset = lambda edits, preset: asked.append(dict(edits)) or "cancel"
+    w.preset_combo.setCurrentIndex(w.preset_combo.findData("cpu-default"))
+    w.preset_combo.activated.emit(w.preset_combo.currentIndex())
+    assert asked == [{"port": 18183}]
+    assert w.form.values()["port"] == 18183 and w.preset_combo.currentData() is None  # cancelled: as it was
+    w.ask_preset = lambda edits, preset: "keep"
+    w.preset_combo.setCurrentIndex(w.preset_combo.findData("cpu-default"))
+    w.preset_combo.activated.emit(w.preset_combo.currentIndex())
+    values = w.form.values()
+    assert values["port"] == 18183 and values["device"] == "cpu"  # the preset, with the edit on top
+    assert w.launch_config() == {"model": None, "preset": "cpu-default", "values": {"port": 18183}}
+    w.ask_preset = lambda edits, preset: "discard"
+    w.preset_combo.setCurrentIndex(0)
+    w.preset_combo.activated.emit(0)
+    assert w.form.values()["port"] == 8080 and w.form.values()["device"] == "auto"
+    asked.clear()
+    w.ask_preset = lambda edits, preset: asked.append(1) or "discard"
+    w.preset_combo.setCurrentIndex(w.preset_combo.findData("cpu-default"))
+    w.preset_combo.activated.emit(w.preset_combo.currentIndex())
+    assert not asked  # no edits: nothing to ask
+    w.preset_combo.setCurrentIndex(0)
+    w.preset_combo.activated.emit(0)
+
+
+def test_fields_and_problems_speak_the_forms_words(launcher):
+    w = launcher
+    w.form.set_values({})
+    label = w.form.rows["kv_headroom_mib"][0].text()
+    assert label == "GPU memory kept free (MiB)"
+    w.form.set_value("kv_window", 4096)
+    wait_until(lambda: not w.start_button.isEnabled(), 5000)
+    w.revalidate()
+    text = w.checks_label.text()
+    assert "Host KV memory (MiB)" in text and "KV window (tokens)" in text
+    assert "--host-kv-mib" not in text and "--allow-lossy-window" not in text and "[app" not in text
+    assert "SmolLM2-135M-Instruct" in text and "Smollm2 135M 8k" not in text  # as the model list names it
+    fix = next(f for f in w.checks.fixes if f.name == "host_kv_mib")
+    assert fix.value == 4096 and f'fix:{w.checks.fixes.index(fix)}' in text and fix.text in text.replace("&quot;", '"')
+    w.checks_label.linkActivated.emit(f"fix:{w.checks.fixes.index(fix)}")  # the user presses the fix
+    assert w.form.values()["host_kv_mib"] == 4096
+    w.revalidate()
+    assert not any("host_kv_mib" == f.name for f in w.checks.fixes)  # that problem is gone
+    retrieve = next(f for f in w.checks.fixes if f.name == "kv_retrieve")
+    w.checks_label.linkActivated.emit(f"fix:{w.checks.fixes.index(retrieve)}")
+    wait_until(w.start_button.isEnabled, 10_000)  # each fix applied: nothing blocks Start
+    w.form.set_values({})
+
+
+def test_a_broken_gguf_is_named_and_leaves_the_recent_list(launcher, tmp_path):
+    w = launcher
+    broken = tmp_path / "half-downloaded.gguf"
+    broken.write_bytes(b"<html>not a model</html>")
+    w.pick_model(str(broken))
+    assert str(broken) in w.config.recent_models
+    wait_until(lambda: str(broken) in w.model_infos, TIMEOUT)
+    w.revalidate()
+    text = w.checks_label.text()
+    assert "half-downloaded.gguf is not a readable GGUF file" in text and "Download it again" in text
+    assert "Pick a .gguf file" not in text
+    assert str(broken) not in w.config.recent_models  # the next start does not offer it again
+    w.select_model(None)
+
+
+def test_after_the_weights_it_says_what_is_happening(launcher):
+    w = launcher
+    w.set_loading(True)
+    try:
+        w.loading_progress(0.5, "loading blk.3.attn_q.weight")
+        assert w.progress.maximum() == 1000 and w.progress.value() == 500
+        w.loading_progress(1.0, "loading output_norm.weight")
+        assert "Warming up" in w.status.text() and "KV cache" in w.status.text()
+        assert "output_norm" not in w.status.text()
+        assert w.progress.maximum() == 0  # a busy bar, not a bar stuck at 100%
+    finally:
+        w.set_loading(False)
+    assert w.progress.maximum() == 1000
+
+
+def clipped(window) -> list[str]:
+    """Visible labels and buttons narrower than their text needs (text cut off)."""
+    out = []
+    for widget in window.findChildren(QLabel) + window.findChildren(QPushButton):
+        if not widget.isVisibleTo(window) or not widget.text() or (isinstance(widget, QLabel) and widget.wordWrap()):
+            continue
+        if widget.width() < widget.minimumSizeHint().width() - 1:
+            out.append(f"{type(widget).__name__} {widget.text()[:40]!r}: {widget.width()} < "
+                       f"{widget.minimumSizeHint().width()}")
+    return out
+
+
+def test_the_launcher_fits_800x600(launcher):
+    w = launcher
+    w.resize(800, 600)
+    wait_until(lambda: w.width() == 800 and w.height() == 600, 3000)
+    assert w.minimumSizeHint().width() <= 800 and w.minimumSizeHint().height() <= 600
+    assert not clipped(w), clipped(w)
+    w.resize(1100, 760)
