@@ -18,10 +18,6 @@ GROUPS = ("server", "model", "memory", "speculative", "sampling", "performance")
 ENV_ALLOWED = ("NINFER_HOME",)
 ENV_ALLOWED_PREFIXES = ("NINFER_TEST_",)
 
-# What would provide the features that are declared but not available in this version.
-_KERNELS = "comes with the kernels work"
-_SPEC = "speculative decoding comes with the speculative-decoding work"
-
 
 def _always(value: Any) -> bool:
     return True

@@ -5,7 +5,7 @@ CUDA or TRITON_INTERPRET=1 (tests run the kernels on the CPU through the interpr
 imported lazily (inside the functions), so this module works where triton is not installed.
 
 Public functions (same signatures as the twins in kernels/reference.py):
-  linear(x, qw, bias=None, *, prefill_dense=False, cpu_compute_dtype=CPU_COMPUTE_DTYPE)
+  linear(x, qw, bias=None, *, cpu_compute_dtype=CPU_COMPUTE_DTYPE)
   dequantize_to(qw, dtype)
   rms_norm(x, weight, eps, residual=None)
   rope(x, positions, cos, sin)
@@ -27,8 +27,6 @@ from kernels.quant import QuantizedWeight, dequantize
 # The CPU low-bit ops of ATen are fast with bf16 activations and 7-160x slower with float32 ones (docs/KERNELS.md),
 # so float32 activations are rounded to bf16 for them and the result cast back. None = run in x.dtype.
 CPU_COMPUTE_DTYPE: Optional[torch.dtype] = torch.bfloat16
-# With prefill_dense=True on CUDA, a GEMM over at least this many rows dequantizes the weight once and uses cuBLAS.
-PREFILL_DENSE_MIN_ROWS = 64
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,14 +71,10 @@ def _cpu_linear_fn(qw: QuantizedWeight, x_dtype: torch.dtype, compute_dtype: Opt
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None, *,
-           prefill_dense: bool = False,
            cpu_compute_dtype: Optional[torch.dtype] = CPU_COMPUTE_DTYPE) -> torch.Tensor:
     """y = x @ dequantize(qw).T (+ bias), y in x.dtype. Twin: reference.quant_linear_ref."""
     if use_triton(x.device):
-        rows = x.numel() // max(x.shape[-1], 1)
         from kernels import qlinear
-        if prefill_dense and x.device.type == "cuda" and rows >= PREFILL_DENSE_MIN_ROWS:
-            return F.linear(x, qlinear.dequantize_to(qw, x.dtype), bias)
         return qlinear.qlinear(x, qw, bias)
     if x.device.type == "cpu":
         key = ("cpu_linear", x.dtype, cpu_compute_dtype)

@@ -15,7 +15,6 @@ from kernels.quant import QuantizedWeight, dequantize, quantize_int4, quantize_i
 
 log = logging.getLogger("ninfer.model")
 
-DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LOW_BIT = ("int8", "int4", "ternary")
 INT4_GROUP, TERNARY_GROUP = 32, 64
 Weight = torch.Tensor | QuantizedWeight
