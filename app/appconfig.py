@@ -23,6 +23,17 @@ def launch_config(model: str | None, preset: str | None, values: dict[str, Any])
     return {"model": model or None, "preset": preset or None, "values": dict(values)}
 
 
+def with_server(config: dict[str, Any], host: str, port: int, api_key: str | None) -> dict[str, Any]:
+    """A launch configuration with the API server's address and key changed (in place; returned)."""
+    values = config.setdefault("values", {})
+    values.update(host=host, port=port)
+    if api_key:
+        values["api_key"] = api_key
+    else:
+        values.pop("api_key", None)
+    return config
+
+
 class AppConfig:
     def __init__(self, path: Path | None = None):
         self.path = Path(path) if path else paths.state_file()
@@ -63,6 +74,7 @@ class AppConfig:
         self.save()
 
     def forget_model(self, path: str) -> None:
+        """A recent model that turned out broken: not offered again."""
         self.data["recent_models"] = [m for m in self.recent_models if m != path]
         self.save()
 
@@ -85,6 +97,14 @@ class AppConfig:
         """The model loaded and the API answers with this configuration."""
         self.data["last_good"] = config
         self.add_recent_model(config.get("model"))  # saves
+
+    def remember_server(self, host: str, port: int, api_key: str | None) -> None:
+        """The Server tab applied a new address or key: the next start uses them (in the last configuration, and in
+        the last good one, which they are now part of)."""
+        for key in ("last", "last_good"):
+            if isinstance(self.data.get(key), dict):
+                with_server(self.data[key], host, port, api_key)
+        self.save()
 
     def remember_failure(self, error: str) -> None:
         self.data["last_failure"] = error

@@ -1,5 +1,6 @@
 """The chat's backend, as a part of the Controller: the embedded engine's API or another OpenAI-compatible server
-(URL + key), and the server's mode (chat / agent) with the sampling values in force."""
+(URL + key), and the server's mode (chat / agent) with the sampling values in force, read again every second so a
+switch made by another client (PUT /ninfer/v1/settings) shows here too."""
 from __future__ import annotations
 
 import logging
@@ -78,6 +79,26 @@ class BackendMixin:
             return
         self._set_mode_from(data)
         log.info("mode is now %s", self.mode)
+
+    def _poll_mode(self) -> None:
+        if self.client is not None and not self._mode_polling and not self.quitting:
+            self._mode_polling = True
+            spawn(self._read_mode(self.client), "poll-mode")
+
+    async def _read_mode(self, client: ApiClient) -> None:
+        """Another client may have switched the mode (PUT /ninfer/v1/settings): show what is in force."""
+        try:
+            data = await client.settings()
+        except Exception as e:  # the server is restarting or gone: keep what is shown
+            log.debug("cannot read the server's settings: %s", e)
+            return
+        finally:
+            self._mode_polling = False
+        if client is not self.client:
+            return
+        mode, sampling = (data.get("mode"), data.get("sampling")) if data else (None, None)
+        if (mode, sampling) != (self.mode, self.sampling):
+            self._set_mode_from(data)
 
     def _set_mode_from(self, data: dict | None) -> None:
         self.mode = data.get("mode") if data else None

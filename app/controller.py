@@ -19,7 +19,7 @@ from engine.errors import NInferError
 from engine.service import CANCELLED, READY, LocalService
 
 from app import logs
-from app.appconfig import AppConfig
+from app.appconfig import AppConfig, with_server
 from app.asyncutil import spawn
 from app.backend import BackendMixin
 from app.client import ApiClient, Endpoint
@@ -29,6 +29,7 @@ from app.store import ConversationStore
 from app.tray import Tray
 
 log = logging.getLogger("ninfer.app")
+MODE_POLL_MS = 1000
 
 
 class Controller(BackendMixin, QObject):
@@ -68,6 +69,10 @@ class Controller(BackendMixin, QObject):
         self._status_timer = QTimer(self, interval=1000)
         self._status_timer.timeout.connect(self.state_changed)
         self._status_timer.start()
+        self._mode_timer = QTimer(self, interval=MODE_POLL_MS)  # follows mode switches made by other clients
+        self._mode_timer.timeout.connect(self._poll_mode)
+        self._mode_timer.start()
+        self._mode_polling = False
         self.state_changed.connect(self._refresh_views)
         self.mode_changed.connect(lambda *_: self.state_changed.emit())
 
@@ -271,10 +276,13 @@ class Controller(BackendMixin, QObject):
         await self.refresh_mode()
 
     async def stop_local(self) -> None:
+        """Stops the engine cleanly (Stop server, Change model or settings): the session ends as a quit does, so the
+        launcher has no crash to report."""
         s = self.service
         if s is None:
             return
         self.service = None
+        self.config.close_session()
         if not self.remote:
             self.mode, self.sampling = None, None
             self.mode_changed.emit(None, None)
@@ -294,14 +302,32 @@ class Controller(BackendMixin, QObject):
             spawn(self.start_again(), "start-server")
 
     async def restart_server(self, host: str, port: int, api_key: str | None) -> str | None:
-        """Serves the loaded engine on another host/port/key; returns what went wrong, or None."""
+        """Serves the loaded engine on another host/port/key; returns what went wrong (also logged), or None. The
+        new values are remembered for the next start."""
         s = self.service
         if s is None:
             return "The engine is not running."
+        old = (s.host, s.port, s.api_key)
         try:
-            await asyncio.to_thread(s.restart_server, host=host, port=port, api_key=api_key)
+            if port == s.port and host != s.host:
+                # The same port on another address (this computer only <-> the network): the running listener holds
+                # it, and the service binds the new socket before it lets the old one go. Step aside to a free port
+                # on the old address first; on failure, come back to where it was.
+                await asyncio.to_thread(s.restart_server, host=s.host, port=0)
+                try:
+                    await asyncio.to_thread(s.restart_server, host=host, port=port, api_key=api_key)
+                except NInferError:
+                    await asyncio.to_thread(s.restart_server, host=old[0], port=old[1], api_key=old[2])
+                    raise
+            else:
+                await asyncio.to_thread(s.restart_server, host=host, port=port, api_key=api_key)
         except NInferError as e:
+            log.error("the API server could not move to %s:%s: %s", host, port, e)
             return str(e)
+        log.info("the API server now listens on %s:%s%s", host, port, " with an API key" if api_key else "")
+        self.config.remember_server(host, port, api_key)
+        if self.launch_cfg is not None:
+            with_server(self.launch_cfg, host, port, api_key)
         if self.settings is not None:
             import dataclasses
             self.settings = dataclasses.replace(self.settings, host=host, port=port, api_key=api_key)
@@ -336,6 +362,7 @@ class Controller(BackendMixin, QObject):
         self.quitting = True
         self._poll_timer.stop()
         self._status_timer.stop()
+        self._mode_timer.stop()
         self.tray.hide()
         if self.window is not None:
             self.window.chat.stop()

@@ -16,6 +16,16 @@ FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 LOGGERS = ("ninfer", "uvicorn", "uvicorn.error", "uvicorn.access")
 
 
+class QuietPolls(logging.Filter):
+    """Drops the access-log lines of the app's own once-a-second read of the server's mode (GET
+    /ninfer/v1/settings answered 200): they would bury everything else in the Logs tab."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.name == "uvicorn.access" and len(args) >= 5 and args[1] == "GET"
+                    and str(args[2]).startswith("/ninfer/v1/settings") and args[4] == 200)
+
+
 class _Emitter(QObject):
     record = Signal(str, int)
 
@@ -49,6 +59,7 @@ def install(level: int = logging.INFO) -> QtLogHandler:
     if _handler is not None:
         return _handler
     _handler = QtLogHandler()
+    _handler.addFilter(QuietPolls())
     root = logging.getLogger()
     root.addHandler(_handler)
     _installed.append(_handler)
@@ -58,6 +69,7 @@ def install(level: int = logging.INFO) -> QtLogHandler:
         file_handler = logging.handlers.RotatingFileHandler(folder / "ninfer.log", maxBytes=2_000_000, backupCount=3,
                                                             encoding="utf-8")
         file_handler.setFormatter(logging.Formatter(FORMAT))
+        file_handler.addFilter(QuietPolls())
         root.addHandler(file_handler)
         _installed.append(file_handler)
     except OSError:

@@ -12,6 +12,7 @@ from app.conversations import ConversationList
 from app.logs import LogsPanel
 from app.monitor import MonitorPanel
 from app.server_panel import ServerPanel
+from app.widgets import remember_size, restore_size
 
 
 class MainWindow(QMainWindow):
@@ -20,12 +21,12 @@ class MainWindow(QMainWindow):
         self.controller = controller
         self.setWindowTitle("NInfer")
         self.setWindowIcon(theme.app_icon())
-        self.resize(1180, 800)
+        self.setMinimumSize(640, 480)
         store = controller.store
 
         split = QSplitter()
         self.conversations = ConversationList(store)
-        self.conversations.setMinimumWidth(220)
+        self.conversations.setMinimumWidth(150)
         self.conversations.setMaximumWidth(360)
         split.addWidget(self.conversations)
         self.tabs = QTabWidget()
@@ -39,7 +40,8 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.logs, "Logs")
         split.addWidget(self.tabs)
         split.setStretchFactor(1, 1)
-        split.setSizes([260, 920])
+        split.setCollapsible(1, False)
+        split.setSizes([240, 940])
         container = QWidget()
         from PySide6.QtWidgets import QVBoxLayout
         layout = QVBoxLayout(container)
@@ -48,7 +50,9 @@ class MainWindow(QMainWindow):
         self.setCentralWidget(container)
 
         self.status_label = QLabel()
+        self.status_label.setMinimumWidth(50)  # a long URL is cut in the status bar, never the window widened
         self.statusBar().addWidget(self.status_label, 1)
+        restore_size(self, controller.config, "main", (1180, 800))
 
         self.conversations.selected.connect(self.chat.open)
         self.conversations.new_requested.connect(self.new_chat)
@@ -101,7 +105,12 @@ class MainWindow(QMainWindow):
             a.setChecked(name == c.mode)
             a.setEnabled(c.mode is not None)
 
+    def hideEvent(self, event) -> None:
+        remember_size(self, self.controller.config, "main")
+        super().hideEvent(event)
+
     def closeEvent(self, event) -> None:
+        remember_size(self, self.controller.config, "main")
         if self.controller.window_closing():
             event.accept()
         else:

@@ -1,8 +1,12 @@
-"""The server panel: the API's URL, port and key, opening it to the local network (only with a key), examples ready
-to paste, starting and stopping the engine, and chatting with another server instead."""
+"""The server panel: the API's URL, port and key, opening it to the local network (only with a key) with the addresses
+other computers use, examples ready to paste, starting and stopping the engine, and chatting with another server.
+
+The form shows the running server's values until the user edits it; from then on the periodic refresh leaves the
+form alone (the running values stay in the status line) until Apply or Revert."""
 from __future__ import annotations
 
 import secrets
+import socket
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QFontDatabase, QGuiApplication
@@ -10,6 +14,7 @@ from PySide6.QtWidgets import (QCheckBox, QFormLayout, QGroupBox, QHBoxLayout, Q
                                QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
 from app.asyncutil import spawn
+from app.widgets import guard_wheel
 
 LAN_HOST = "0.0.0.0"
 
@@ -35,6 +40,23 @@ def _code_box(text: str = "") -> QPlainTextEdit:
     box.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
     box.setMaximumHeight(120)
     return box
+
+
+def lan_addresses() -> list[str]:
+    """This computer's IPv4 addresses other computers on the network can reach (no loopback), best first."""
+    found: list[str] = []
+    try:  # the address of the interface a packet to the outside would leave by (nothing is sent)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            found.append(s.getsockname()[0])
+    except OSError:
+        pass
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            found.append(info[4][0])
+    except OSError:
+        pass
+    return [a for a in dict.fromkeys(found) if not a.startswith("127.") and a != "0.0.0.0"]
 
 
 class ServerPanel(QWidget):
@@ -65,9 +87,15 @@ class ServerPanel(QWidget):
         url_row.addWidget(self.url, 1)
         url_row.addWidget(copy_url)
         form.addRow("Base URL", url_row)
+        self.lan_urls = QLabel()
+        self.lan_urls.setWordWrap(True)
+        self.lan_urls.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.lan_urls.setVisible(False)
+        form.addRow("", self.lan_urls)
         self.port = QSpinBox()
         self.port.setRange(1, 65535)
         self.port.setMaximumWidth(140)
+        guard_wheel(self.port)
         form.addRow("Port", self.port)
         key_row = QHBoxLayout()
         self.key = QLineEdit()
@@ -96,10 +124,15 @@ class ServerPanel(QWidget):
         self.apply_button = QPushButton("Apply")
         self.apply_button.setObjectName("Primary")
         self.apply_button.clicked.connect(self.apply)
+        self.revert_button = QPushButton("Revert")
+        self.revert_button.setToolTip("Show the running server's values again")
+        self.revert_button.clicked.connect(self.revert)
         apply_row.addWidget(self.apply_note, 1)
+        apply_row.addWidget(self.revert_button)
         apply_row.addWidget(self.apply_button)
         form.addRow(apply_row)
         self.result_note = ""  # what the last Apply did; shown until the form is edited
+        self.shown: tuple | None = None  # (port, lan, key) last copied from the running server into the form
         for signal in (self.port.valueChanged, self.key.textChanged, self.lan.toggled):
             signal.connect(self._edited)
         layout.addWidget(api)
@@ -180,14 +213,12 @@ class ServerPanel(QWidget):
                                 + (f" on {s.url}" if s.serving else ""))
         if s is not None:
             self.url.setText(s.url)
-            for w, v in ((self.port, s.port), (self.lan, s.host == LAN_HOST)):
-                w.blockSignals(True)
-                w.setValue(v) if isinstance(w, QSpinBox) else w.setChecked(v)
-                w.blockSignals(False)
-            if self.key.text() != (s.api_key or ""):
-                self.key.blockSignals(True)
-                self.key.setText(s.api_key or "")
-                self.key.blockSignals(False)
+            if not self.edited:  # never overwrite what the user is typing
+                self._show_running(s)
+            lan = lan_addresses() if s.host == LAN_HOST and s.serving else []
+            self.lan_urls.setText("From other computers: " + "  ·  ".join(f"http://{a}:{s.port}/v1" for a in lan)
+                                  if lan else "")
+            self.lan_urls.setVisible(bool(lan))
             stats = s.stats()
             self.engine_info.setText(
                 f"Model: {', '.join(s.model_ids)}  ({s.model_path})\nDevice: {stats.get('device') or '—'} · "
@@ -204,12 +235,41 @@ class ServerPanel(QWidget):
         self.local_button.setEnabled(c.remote)
         self._check_form()
 
+    def running_values(self, s) -> tuple:
+        return (s.port, s.host == LAN_HOST, s.api_key or "")
+
+    def form_values(self) -> tuple:
+        return (self.port.value(), self.lan.isChecked(), self.key.text())
+
+    @property
+    def edited(self) -> bool:
+        """The user changed the form since it last showed the running server's values."""
+        return self.shown is not None and self.form_values() != self.shown
+
+    def _show_running(self, s) -> None:
+        values = self.running_values(s)
+        for w in (self.port, self.lan, self.key):
+            w.blockSignals(True)
+        self.port.setValue(values[0])
+        self.lan.setChecked(values[1])
+        if self.key.text() != values[2]:
+            self.key.setText(values[2])
+        for w in (self.port, self.lan, self.key):
+            w.blockSignals(False)
+        self.shown = values
+
+    def revert(self) -> None:
+        self.shown = None
+        self.result_note = ""
+        self.refresh()
+
     def _edited(self, *_args) -> None:
         self.result_note = ""
         self._check_form()
 
     def _check_form(self) -> None:
         s = self.controller.service
+        self.revert_button.setVisible(self.edited)
         if s is None:
             self.apply_button.setEnabled(False)
             self.apply_note.setText("Start the engine first.")
@@ -223,6 +283,11 @@ class ServerPanel(QWidget):
         self.apply_button.setEnabled(changed and s.status == "ready")
         if self.result_note:
             self.apply_note.setText(self.result_note)
+        elif changed:
+            self.apply_note.setText(f"Not applied yet: the server runs on port {s.port}"
+                                    f"{' for the network' if s.host == LAN_HOST else ' for this computer only'}"
+                                    f"{' with a key' if s.api_key else ''}. Apply restarts the API (the model stays "
+                                    f"loaded).")
         elif self.lan.isChecked():
             self.apply_note.setText("Clients on the network connect to this computer's address with the key.")
         else:
@@ -240,6 +305,8 @@ class ServerPanel(QWidget):
         self.apply_button.setEnabled(False)
         error = await self.controller.restart_server(host, port, key)
         self.result_note = f"⚠ {error}" if error else "Applied."
+        if not error:
+            self.shown = None  # show what now runs
         self.refresh()
 
     def connect_remote(self) -> None:
