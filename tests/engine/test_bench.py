@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import METRICS, build_prompt, decode_bytes_per_token, main, ratios
+from engine.tools.bench.cli import main
+from engine.tools.bench.measure import METRICS, build_prompt, decode_bytes_per_token, ratios
 
 KEYS = [key for key, *_ in METRICS]
 
@@ -17,7 +18,7 @@ def _tiny_llama_folder(folder: Path) -> Path:
     from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from engine.bench import FILLER
+    from engine.tools.bench.measure import FILLER
 
     rust = RustTokenizer(models.BPE())
     rust.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -93,7 +94,7 @@ def test_bad_arguments():
 def test_bench_via_api_compares_http_with_engine_direct(tmp_path, capsys):
     import json
 
-    from engine.bench import main
+    from engine.tools.bench.cli import main
     out = tmp_path / "api.json"
     assert main(["--prompt-tokens", "24", "--gen-tokens", "6", "--repeat", "1", "--compare", "none", "--via-api",
                  "--json", str(out)]) == 0

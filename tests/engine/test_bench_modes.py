@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import _summarise, decode_bytes_per_token
-from engine.bench_llamacpp import bench_llamacpp, load_llamacpp
+from engine.tools.bench.measure import decode_bytes_per_token, summarise
+from engine.tools.bench.peer_llamacpp import bench_llamacpp, load_llamacpp
 
 
 def test_missing_llama_cpp_names_the_install_command(monkeypatch, tmp_path):
@@ -40,7 +40,7 @@ def test_runs_are_greedy_and_summarised(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"x" * 1000)
     llm = FakeLlama(model)
-    result = bench_llamacpp(llm, [1, 2, 3], 5, 2, lambda runs, wb: _summarise(
+    result = bench_llamacpp(llm, [1, 2, 3], 5, 2, lambda runs, wb: summarise(
         runs, 3, 5, decode_bytes_per_token(wb, 100, 3, 5)))
     assert len(llm.calls) == 3  # one warm-up + two measured runs
     tokens, kw = llm.calls[0]
@@ -53,7 +53,7 @@ def test_runs_are_greedy_and_summarised(tmp_path):
 def test_warm_prefix_reuses_the_cached_pages(tmp_path, capsys):
     """ninfer-bench --warm-prefix: the second identical prompt reuses all but its last token (full pages shared,
     the partial last page copied); one changed last token still reuses every token before it."""
-    from engine.bench import main
+    from engine.tools.bench.cli import main
     from tests.engine.spec_models import tiny_folder
 
     folder = tiny_folder(tmp_path, "t", 1)
@@ -70,8 +70,8 @@ def test_compare_llamacpp_reports_the_peer_under_its_name(tmp_path, monkeypatch,
     JSON keeps its column under "llama.cpp", and the greedy agreement line compares the two token lists."""
     import json
 
-    from engine import bench_llamacpp as peer
-    from engine.bench import main
+    from engine.tools.bench import peer_llamacpp as peer
+    from engine.tools.bench.cli import main
 
     monkeypatch.setattr(peer, "load_llamacpp", lambda path, threads, context: FakeLlama(path))
     out = tmp_path / "bench.json"
@@ -91,7 +91,7 @@ def test_profile_steps_counts_each_layers_operators_per_decode_step(tmp_path, ca
     decode attention is one baddbmm (scores) and one bmm (P @ V) per step, printed and kept in the JSON."""
     import json
 
-    from engine.bench import main
+    from engine.tools.bench.cli import main
     from tests.engine.spec_models import tiny_folder
 
     folder = tiny_folder(tmp_path, "t", 1)
@@ -111,7 +111,7 @@ def test_profile_steps_counts_each_layers_operators_per_decode_step(tmp_path, ca
 
 @pytest.mark.parametrize("flag,value", [("--profile-steps", "-1"), ("--gen-tokens", "1"), ("--repeat", "0")])
 def test_bad_counts_are_refused_with_what_is_needed(flag, value, capsys):
-    from engine.bench import main
+    from engine.tools.bench.cli import main
 
     assert main([flag, value]) == 2
     assert "--profile-steps >= 0" in capsys.readouterr().err

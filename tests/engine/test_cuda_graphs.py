@@ -170,7 +170,7 @@ def test_capture_needs_cuda(model):
 
 
 def test_bench_passes_the_settings_through(monkeypatch):
-    from engine import bench
+    from engine.tools.bench import cli as bench
     args = bench.build_parser().parse_args(["--cuda-graphs", "off", "--prefill-cublas"])
     assert args.cuda_graphs == "off" and args.prefill_cublas is True
     assert bench.build_parser().parse_args([]).cuda_graphs == "auto"

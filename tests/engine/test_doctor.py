@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from engine import doctor
+from engine.tools import doctor
 from engine.hardware import GpuInfo, HardwareReport, Verdict
 
 

@@ -406,12 +406,12 @@ def test_kv_dtype_auto_and_the_settings():
 
 # ---------------------------------------------------------------------------------------------------- CPU cost
 def bench_kv_dtypes(prompt_tokens: int = 512, gen_tokens: int = 64, repeat: int = 2) -> None:
-    """Decode tok/s of SmolLM2 per kv_dtype through engine.bench.bench_engine, one model shared by every engine.
-    Run: python -m tests.engine.test_kv_quant   (docs/KV.md has the numbers)."""
+    """Decode tok/s of SmolLM2 per kv_dtype through engine.tools.bench.measure.bench_engine, one model shared by
+    every engine. Run: python -m tests.engine.test_kv_quant   (docs/KV.md has the numbers)."""
     import dataclasses
 
-    from engine.bench import bench_engine, build_prompt
-    from engine.bench_machine import LoadMeter
+    from engine.tools.bench.machine import LoadMeter
+    from engine.tools.bench.measure import bench_engine, build_prompt
     from engine.build import build_engine
     from engine.engine import Engine
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine import doctor
+from engine.tools import doctor
 from engine.errors import ModelLoadError
 from engine.ledger import (GIB, KV_LAYOUTS, MIB, PAGE_SIZE, LinearAttention, ModelShape, build_ledger,
                            format_ledger)

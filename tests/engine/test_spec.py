@@ -444,7 +444,7 @@ def ngram_engine(default_engine):
 def test_ngram_on_the_default_model_is_lossless_on_three_kinds_of_content(default_engine, ngram_engine):
     """The bench's three prompts (repetitive JSON, code, prose), 128 greedy tokens each: identical with ngram
     speculation, which drafts on all of them and is accepted most on the repetitive one."""
-    from engine.bench_spec import CONTENT
+    from engine.tools.bench.speculative import CONTENT
 
     base, spec = default_engine.engine, ngram_engine
     spec.speculator.adaptive = False  # draft wherever something matches, so every prompt is verified

@@ -3,8 +3,29 @@ the accounting and the report are)."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
-from engine import gpu_check
+from engine.tools import gpu_check
+
+ROOT = Path(__file__).resolve().parents[2]
+# The project's dependencies other than torch, triton and numpy (by import name): a GPU machine may lack them all.
+NOT_NEEDED = ("gguf", "safetensors", "tokenizers", "transformers", "sentencepiece", "jinja2", "llguidance", "fastapi",
+              "uvicorn", "pydantic", "httpx", "platformdirs", "psutil", "prometheus_client", "huggingface_hub",
+              "PySide6", "qasync", "pyqtgraph")
+BLOCKED_RUN = """
+import importlib.abc, runpy, sys
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked: scripts/gpu_check.sh must run without it")
+sys.meta_path.insert(0, Blocked())
+sys.argv = [MODULE, *ARGS]
+runpy.run_module(MODULE, run_name="__main__")
+"""
 
 
 def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tmp_path, capsys):
@@ -69,3 +90,17 @@ def test_device_cuda_without_a_gpu_says_what_to_check(tmp_path, capsys, monkeypa
     monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
     assert gpu_check.main(["--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "sees no CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_script_runs_with_only_torch_triton_and_numpy(tmp_path):
+    """scripts/gpu_check.sh's module, run as the script runs it, with every other dependency of the project made
+    unimportable: the whole check (at tiny shapes) imports none of them."""
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    module = re.search(r"exec python -m ([\w.]+) ", script).group(1)
+    assert module == gpu_check.__name__
+    code = (f"BLOCKED = {set(NOT_NEEDED)!r}\nMODULE = {module!r}\n"
+            f"ARGS = ['--tiny', '--device', 'cpu', '--skip-tests', '--out', {str(tmp_path)!r}]\n" + BLOCKED_RUN)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "| GEMV |" in run.stdout and (tmp_path / "gpu_check.json").exists()

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check the GPU, PyTorch build, NVIDIA driver, RAM and CPU NInfer will run on.")
     output = parser.add_argument_group("output")
     output.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
-    add_ledger_arguments(parser)  # --ledger: the memory ledger of a model and configuration (engine/ledger.py)
+    add_ledger_arguments(parser)  # --ledger: the memory ledger of a model and configuration (engine/ledger/)
     return parser
 
 

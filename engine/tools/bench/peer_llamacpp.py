@@ -3,11 +3,12 @@ decoding and thread count, through llama-cpp-python. It is measured, never used:
 (`pip install llama-cpp-python`, which compiles llama.cpp for this machine)."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
 def load_llamacpp(path: Path, threads: int, context: int):
-    try:
+    try:  # optional, and only for this comparison: imported when asked for
         from llama_cpp import Llama
     except ImportError:
         raise RuntimeError("--compare llama.cpp needs llama-cpp-python, which is not installed; run "
@@ -21,8 +22,6 @@ def load_llamacpp(path: Path, threads: int, context: int):
 def bench_llamacpp(llm, prompt_ids: list[int], gen_tokens: int, repeat: int, summarise) -> dict:
     """TTFT = prompt evaluation plus the first token; decode = first token -> last token, greedy (temperature 0,
     no repetition penalty), never stopping early."""
-    import time
-
     runs = []
     for i in range(repeat + 1):
         llm.reset()

@@ -8,6 +8,12 @@ import threading
 import time
 
 import httpx
+import uvicorn
+
+from engine.config import load_settings
+from engine.server.app import create_app
+from engine.server.state import ServerState
+from engine.tools.bench.measure import summarise
 
 
 def _free_port() -> int:
@@ -20,12 +26,6 @@ class _Server:
     """The ninfer-serve app around an already loaded engine, on a free loopback port, in this process."""
 
     def __init__(self, loaded):
-        import uvicorn
-
-        from engine.config import load_settings
-        from engine.server.app import create_app
-        from engine.server.state import ServerState
-
         settings, _ = load_settings([], {})
         state = ServerState(settings, ["bench"])
         state.loaded = loaded
@@ -49,8 +49,6 @@ class _Server:
 
 def bench_via_api(loaded, prompt_ids: list[int], gen_tokens: int, repeat: int = 3) -> dict:
     """TTFT = request sent -> first token chunk; decode = first -> last token chunk (one chunk per token)."""
-    from engine.bench import _summarise
-
     body = {"model": "bench", "prompt": list(prompt_ids), "max_tokens": gen_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "logprobs": 0}
     runs = []
@@ -72,7 +70,7 @@ def bench_via_api(loaded, prompt_ids: list[int], gen_tokens: int, repeat: int = 
                 raise RuntimeError(f"the API streamed {len(tokens)} tokens, expected {gen_tokens}")
             if i:
                 runs.append(dict(ttft_s=stamps[0] - t0, decode_s=stamps[-1] - stamps[0], tokens=tokens))
-    return _summarise(runs, len(prompt_ids), gen_tokens, 0.0)
+    return summarise(runs, len(prompt_ids), gen_tokens, 0.0)
 
 
 def format_api_table(direct: dict, api: dict) -> str:

@@ -10,15 +10,14 @@ import queue
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine.sampling import SamplingParams
 
 
 def profile_decode(engine, prompt_ids: list[int], steps: int, rows: int = 15) -> dict:
     """{"steps", "ms_per_step" (under the profiler), "aten_calls_per_step" (nested calls included), "table" (the
     `rows` costliest operators, as text), "ops" (every operator: calls and self time per step, share)}."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from engine.sampling import SamplingParams
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     stream = engine.submit(list(prompt_ids), SamplingParams(max_tokens=steps + 1, temperature=0.0,
                                                             ignore_eos=True))

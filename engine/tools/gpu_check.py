@@ -1,6 +1,6 @@
 """The body of scripts/gpu_check.sh: what a GPU machine must show, in one short run.
 
-    python -m engine.gpu_check [--out DIR] [--device auto|cuda|cpu] [--tiny] [--memory-cap-gib 12] [--skip-tests]
+    python -m engine.tools.gpu_check [--out DIR] [--device auto|cuda|cpu] [--tiny] [--memory-cap-gib 12] [--skip-tests]
 
 1. environment (torch, CUDA, Triton, the GPU, its memory);
 2. every kernel test on the device (tests/kernels with NINFER_TEST_DEVICE=cuda: compiled kernels, not the
@@ -29,6 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from engine.model.config import ModelConfig
+from engine.model.linear import PREFILL_DENSE_ROWS
+from engine.model.llama import LlamaModel
+from engine.model.weights import LoadedWeights
+from engine.runner import ModelRunner, Work
+from kernels import dispatch
+from kernels.quant import QuantizedWeight
 
 GIB = 2**30
 
@@ -59,7 +67,7 @@ KV_FORMATS = ("float", "k8v4", "k4v4")  # paged attention: the float cache (bf16
 # ---------------------------------------------------------------------------------------------------- timing
 def timer(device: torch.device):
     """fn -> median milliseconds: CUDA events through triton.testing.do_bench on a GPU, perf_counter elsewhere."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # triton is needed on a GPU only (environment() reports when it is missing)
         from triton.testing import do_bench
 
         return lambda fn: do_bench(fn, warmup=25, rep=100, return_mode="median")
@@ -118,8 +126,6 @@ def ceilings(device: torch.device, tiny: bool, ms) -> dict:
 
 def random_weight(fmt: str, out_f: int, in_f: int, device: torch.device):
     """A QuantizedWeight of random codes and scales, built on the device (never all zeros)."""
-    from kernels.quant import QuantizedWeight
-
     group = {"int8": in_f, "int4_asym": 32, "ternary": 64}[fmt]
     per_byte = {"int8": 1, "int4_asym": 2, "ternary": 4}[fmt]
     if fmt == "int8":
@@ -137,8 +143,6 @@ def random_weight(fmt: str, out_f: int, in_f: int, device: torch.device):
 
 
 def gemv(device: torch.device, shape: Shape, ms, copy_gbps: float) -> list[dict]:
-    from kernels import dispatch
-
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     for fmt in FORMATS:
@@ -178,8 +182,6 @@ def kv_pages(fmt: str, pages: int, page: int, heads: int, dim: int, dtype: torch
 def attention(device: torch.device, shape: Shape, ms, tiny: bool, copy_gbps: float) -> list[dict]:
     """Paged decode attention of one sequence (all query heads) per KV format and context: GB/s of the K/V bytes
     the step reads (codes and scales for the quantized formats)."""
-    from kernels import dispatch
-
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     page = 64
@@ -200,10 +202,6 @@ def attention(device: torch.device, shape: Shape, ms, tiny: bool, copy_gbps: flo
 
 def synthetic_model(shape: Shape, fmt: str, device: torch.device):
     """A LlamaModel of `shape` with random `fmt` linear weights (bf16 on CUDA, fp32 on the CPU)."""
-    from engine.model.config import ModelConfig
-    from engine.model.llama import LlamaModel
-    from engine.model.weights import LoadedWeights
-
     cfg = ModelConfig(arch="llama", vocab_size=shape.vocab, hidden_size=shape.hidden, num_layers=shape.layers,
                       num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
                       intermediate_size=shape.intermediate, max_position=8192, name=f"synthetic-{fmt}")
@@ -225,9 +223,6 @@ def synthetic_model(shape: Shape, fmt: str, device: torch.device):
 def end_to_end(device: torch.device, shape: Shape, fmt: str, copy_gbps: float, cap_gib: float, tiny: bool) -> dict:
     """Decode and prefill tok/s of the synthetic model; layers are cut (and said so) when the weights would not fit
     the memory cap with room for the KV cache and activations."""
-    from engine.model.linear import PREFILL_DENSE_ROWS
-    from engine.runner import ModelRunner, Work
-
     per_layer = sum(o * i for o, i in shape.linears().values()) * {"int8": 8.25, "int4_asym": 5.0, "ternary": 2.25}[fmt] / 8
     budget = cap_gib * GIB * 0.8 - shape.vocab * shape.hidden * 3
     layers = max(1, min(shape.layers, int(budget // per_layer))) if device.type == "cuda" else shape.layers

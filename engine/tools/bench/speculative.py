@@ -9,6 +9,10 @@ from __future__ import annotations
 import statistics
 import time
 
+from engine.engine import Engine
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+
 CONTENT = {
     "repetitive": 'Repeat this JSON exactly, changing only "age" to 31 and nothing else:\n'
                   '{"name": "Alice Martin", "age": 30, "email": "alice.martin@example.com", "city": "Paris", '
@@ -21,8 +25,6 @@ CONTENT = {
 
 
 def _measure(engine, prompt: list[int], max_tokens: int) -> dict:
-    from engine.sampling import SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     before = engine.stats()
     stamps, tokens = [], []
@@ -72,9 +74,6 @@ def format_spec_table(method: str, results: dict) -> str:
 
 def run_spec_bench(args, loaded) -> dict:
     """loaded: build_engine(..., spec=args.spec); a plain engine over the same model is built beside it."""
-    from engine.engine import Engine
-    from engine.runner import ModelRunner
-
     spec = loaded.engine
     runner = spec.runner
     plain = Engine(ModelRunner(runner.model, runner.pool.num_pages, runner.kv.kv_dtype, runner.page_size),

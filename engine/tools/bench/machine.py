@@ -5,7 +5,10 @@ import os
 import statistics
 import time
 
+import psutil
 import torch
+
+from engine.hardware import _cpu_name
 
 
 def measure_bandwidth(device: torch.device, rows: int = 49152, cols: int = 576, repeat: int = 20) -> float:
@@ -28,15 +31,11 @@ class LoadMeter:
     """CPU time other processes used while the benchmark ran, in cores (0.0 on an otherwise idle machine)."""
 
     def __enter__(self):
-        import psutil
-
         self._me = psutil.Process()
         self._start = (self._busy(psutil.cpu_times()), self._own(), time.perf_counter())
         return self
 
     def __exit__(self, *exc):
-        import psutil
-
         busy, own, t0 = self._start
         other = (self._busy(psutil.cpu_times()) - busy) - (self._own() - own)
         self.cores = max(other, 0.0) / (time.perf_counter() - t0)
@@ -51,10 +50,6 @@ class LoadMeter:
 
 
 def machine_facts(loaded, threads: int) -> dict:
-    import psutil
-
-    from engine.hardware import _cpu_name
-
     device = loaded.device
     return {
         "cpu": _cpu_name(),

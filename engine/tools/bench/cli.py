@@ -1,0 +1,192 @@
+"""``ninfer-bench``: single-request latency and throughput of our engine, side by side with a peer (HF transformers
+by default, or llama.cpp).
+
+Both run in this process on the same model, dtype, device, thread count and prompt token ids, with greedy
+decoding that never stops early. Each measurement is a discarded warm-up run followed by ``--repeat`` runs,
+of which the median is reported (engine/tools/bench/measure.py). Other modes: ``--spec`` (speculative.py),
+``--warm-prefix`` (below), ``--via-api`` (api.py), ``--profile-steps`` (step_profile.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.build import build_engine
+from engine.errors import NInferError
+from engine.sampling import SamplingParams
+from engine.tools.bench import api, peer_llamacpp, speculative, step_profile
+from engine.tools.bench.machine import LoadMeter, machine_facts
+from engine.tools.bench.measure import (bench_engine, build_prompt, decode_bytes_per_token, format_table, ratios,
+                                        summarise)
+from engine.tools.bench.peer_transformers import bench_transformers, load_transformers
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ninfer-bench", description="Benchmark NInfer against HF transformers "
+                                "(one request: time to first token, prefill and decode speed, bandwidth).")
+    p.add_argument("model", nargs="?", default=None, help="a .gguf file or HF folder (default: embedded SmolLM2)")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
+    p.add_argument("--gen-tokens", type=int, default=128, help="tokens to generate, at least 2 (default 128)")
+    p.add_argument("--repeat", type=int, default=3, help="measured runs after one warm-up; median (default 3)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for both engines (default: torch's)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="weights and KV dtype (both)")
+    p.add_argument("--weight-dtype", choices=("same", "auto", "int8", "int4"), default="same",
+                   help="NInfer's weights: same = --dtype (like for like); auto = as the GGUF stores them (Q4_1 -> "
+                        "int4); transformers always runs --dtype")
+    p.add_argument("--compare", choices=("transformers", "llama.cpp", "none"), default="transformers",
+                   help="the peer measured in the same run (llama.cpp: needs llama-cpp-python and a GGUF model)")
+    p.add_argument("--json", type=Path, default=None, help="write all results to this JSON file")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--spec", choices=("ngram", "draft", "mtp"), default=None,
+                   help="instead: decode speed with this speculative method vs without, on repetitive, code and "
+                        "prose content (greedy, stops at end of turn; --gen-tokens is the most generated)")
+    p.add_argument("--warm-prefix", action="store_true",
+                   help="instead: time to first token of a --prompt-tokens prompt sent cold, then again (its cached "
+                        "prefix reused), then with one token changed at the end")
+    p.add_argument("--draft-model", default=None, help="the draft model for --spec draft")
+    p.add_argument("--draft-tokens", type=int, default=0, help="draft length ceiling for --spec (0: its default)")
+    p.add_argument("--kv-window", type=int, default=0,
+                   help="NInfer only: keep this many recent tokens on the device, older pages in host memory "
+                        "(needs --host-kv-mib; see docs/KV.md)")
+    p.add_argument("--kv-retrieve", type=int, default=0, help="NInfer only: older tokens brought back per step")
+    p.add_argument("--host-kv-mib", type=int, default=0, help="NInfer only: host KV memory for --kv-window")
+    p.add_argument("--max-context", type=int, default=0, help="NInfer's context (0: the model's)")
+    p.add_argument("--prefill-cublas", action="store_true",
+                   help="NInfer only: low-bit layers run prefill chunks as dense matmuls (--prefill-cublas true)")
+    p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                   help="NInfer only: decode steps replayed as CUDA graphs (auto: on with CUDA and Triton)")
+    p.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="NInfer only: also profile N decode steps by ATen operator (torch.profiler)")
+    p.add_argument("--via-api", action="store_true",
+                   help="also measure through the HTTP server (streaming) and compare with engine-direct")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.prompt_tokens < 1 or args.gen_tokens < 2 or args.repeat < 1 or args.profile_steps < 0:
+        print("ninfer-bench: need --prompt-tokens >= 1, --gen-tokens >= 2, --repeat >= 1 and --profile-steps >= 0",
+              file=sys.stderr)
+        return 2
+    threads_before = torch.get_num_threads()
+    try:
+        return _run(args, "ninfer-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
+    finally:
+        torch.set_num_threads(threads_before)  # main() may be called in-process (tests): leave no trace
+
+
+def _run(args, command: str) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    try:
+        weights = args.dtype if args.weight_dtype == "same" else args.weight_dtype
+        spec = dict(spec=args.spec, draft_model=args.draft_model, draft_tokens=args.draft_tokens) if args.spec else {}
+        loaded = build_engine(args.model, device=args.device, weight_dtype=weights, kv_dtype=args.dtype,
+                              max_concurrency=1, threads=args.threads,
+                              max_context=args.max_context or (4096 if args.spec else 0),
+                              max_shared_prefixes="auto" if args.warm_prefix else 0,  # else: every run prefills
+                              kv_window=args.kv_window, kv_retrieve=args.kv_retrieve, host_kv_mib=args.host_kv_mib,
+                              prefill_cublas=args.prefill_cublas, cuda_graphs=args.cuda_graphs, **spec)
+    except NInferError as err:
+        print(f"ninfer-bench: {err}", file=sys.stderr)
+        return 1
+    if args.prompt_tokens + args.gen_tokens > loaded.context_window:
+        print(f"ninfer-bench: prompt + generated tokens exceed the context of {loaded.context_window}",
+              file=sys.stderr)
+        return 2
+    if args.spec:
+        return _run_spec(args, loaded, threads, command)
+    if args.warm_prefix:
+        return _run_warm_prefix(args, loaded, command)
+    prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
+    theirs = ratio = through_api = None
+    with LoadMeter() as meter:
+        try:
+            ours = bench_engine(loaded, prompt, args.gen_tokens, args.repeat)
+            if args.via_api:
+                through_api = api.bench_via_api(loaded, prompt, args.gen_tokens, args.repeat)
+        finally:
+            loaded.engine.shutdown()
+        profiled = None
+        if args.profile_steps > 0:
+            profiled = step_profile.profile_decode(loaded.engine, prompt, args.profile_steps)
+        if args.compare == "transformers":
+            model = load_transformers(loaded.path, loaded.dtype, loaded.device)
+            theirs = bench_transformers(model, prompt, args.gen_tokens, args.repeat)
+            ratio = ratios(ours, theirs)
+            del model
+        elif args.compare == "llama.cpp":
+            try:
+                llm = peer_llamacpp.load_llamacpp(loaded.path, threads, args.prompt_tokens + args.gen_tokens + 16)
+            except RuntimeError as err:
+                print(f"ninfer-bench: {err}", file=sys.stderr)
+                return 1
+            cfg = loaded.config
+            kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # llama.cpp's default KV type
+            theirs = peer_llamacpp.bench_llamacpp(
+                llm, prompt, args.gen_tokens, args.repeat, lambda runs, weight_bytes: summarise(
+                    runs, len(prompt), args.gen_tokens,
+                    decode_bytes_per_token(weight_bytes, kv_f16, len(prompt), args.gen_tokens)))
+            ratio = ratios(ours, theirs)
+            del llm
+    facts = machine_facts(loaded, threads)
+    facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
+    command = command.strip()
+    print(format_table(facts, ours, theirs, ratio, command, peer=args.compare))
+    if args.via_api:
+        print(api.format_api_table(ours, through_api))
+    if profiled:
+        print(f"\ndecode step profile: {profiled['steps']} steps, {profiled['aten_calls_per_step']:.0f} ATen calls "
+              f"and {profiled['ms_per_step']:.1f} ms a step under the profiler\n{profiled['table']}")
+    if args.json:
+        peer = {"peer": args.compare, args.compare: theirs} if theirs else {"peer": None}  # under its own name
+        result = dict(command=command, machine=facts, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+                      repeat=args.repeat, ninfer=ours, **peer, ratio=ratio, via_api=through_api,
+                      profile=profiled and {k: v for k, v in profiled.items() if k != "table"})
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _run_warm_prefix(args, loaded, command: str) -> int:
+    engine = loaded.engine.start()
+    prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
+    rows = []
+    try:
+        for label, ids in (("cold", prompt), ("warm (same prompt)", prompt),
+                           ("warm (last token changed)", prompt[:-1] + [prompt[0]])):
+            before = engine.stats()["prefix_hit_tokens"]
+            t0 = time.perf_counter()
+            next(iter(engine.submit(list(ids), SamplingParams(max_tokens=1, temperature=0.0))))
+            rows.append((label, time.perf_counter() - t0, engine.stats()["prefix_hit_tokens"] - before))
+    finally:
+        engine.shutdown()
+    lines = [f"NInfer prefix-reuse benchmark: {command.strip()}", "",
+             "| request | TTFT (ms) | vs cold | prompt tokens reused |", "|---|---|---|---|"]
+    for label, seconds, hit in rows:
+        lines.append(f"| {label} | {seconds * 1e3:.1f} | {seconds / rows[0][1]:.4f} | {hit} of {len(prompt)} |")
+    print("\n".join(lines))
+    return 0
+
+
+def _run_spec(args, loaded, threads: int, command: str) -> int:
+    with LoadMeter() as meter:
+        results = speculative.run_spec_bench(args, loaded)
+    facts = machine_facts(loaded, threads)
+    facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
+    lines = ["NInfer speculative-decoding benchmark: " + command.strip()]
+    lines += [f"  {k:<26} {v}" for k, v in facts.items()]
+    print("\n".join(lines) + "\n\n" + speculative.format_spec_table(args.spec, results))
+    if args.json:
+        args.json.write_text(json.dumps(dict(command=command.strip(), machine=facts, spec=args.spec,
+                                             results=results), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
