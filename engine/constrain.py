@@ -60,23 +60,30 @@ class Constraint:
     """One sequence's grammar state. ``start_after``: a token id (e.g. ``</think>``) before which the output is free
     (but may not end); the grammar applies from the token after it."""
 
-    def __init__(self, matcher, eos_ids: Iterable[int], description: str, start_after: int | None = None):
+    def __init__(self, matcher, eos_ids: Iterable[int], description: str, start_after: int | None = None,
+                 repeat: RepeatedCallStop | None = None):
         self._matcher = matcher
         self._eos_ids = tuple(sorted(eos_ids))
         self.description = description
         self.start_after = start_after
         self.active = start_after is None
+        self.repeat = repeat  # ends a tool-call answer at a call that repeats an earlier one
+        self._repeated = False
 
     def fresh(self) -> Constraint:
         """A copy in the initial state, for one more sequence (this one is left as it is)."""
-        twin = Constraint(self._matcher.deep_copy(), self._eos_ids, self.description, self.start_after)
+        twin = Constraint(self._matcher.deep_copy(), self._eos_ids, self.description, self.start_after,
+                          self.repeat.fresh() if self.repeat is not None else None)
         twin._matcher.reset()
         return twin
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete and can take nothing but EOS: the sequence must stop now."""
-        return self.active and self._matcher.is_stopped() and not self._matcher.is_error()
+        """The grammar is complete and can take nothing but EOS (or the last tool call repeated an earlier one):
+        the sequence must stop now."""
+        if not self.active:
+            return False
+        return self._repeated or self._matcher.is_stopped() and not self._matcher.is_error()
 
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """A bool mask over the vocabulary: the tokens the grammar allows next (EOS only where it may end)."""
@@ -110,6 +117,46 @@ class Constraint:
         if not self._matcher.consume_token(int(token_id)):
             raise ConstraintError(f"Token {token_id} does not fit the output grammar ({self.description}): "
                                   f"{_short(self._matcher.get_error())}", "Report the request.")
+        if self.repeat is not None and self.repeat.feed(int(token_id)):
+            self._repeated = True
+
+
+class RepeatedCallStop:
+    """Watches a forced tool-call answer token by token and says when a call is complete that repeats an earlier
+    call of the same answer (same name and arguments): identical calls are never useful, so the answer ends there
+    (the parser drops the repeat). A small model under a "required" grammar otherwise emits the same call again."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._detok = tokenizer.detokenizer(skip_special_tokens=False)
+        self._text = ""
+        self._pos = 0  # where to look for the next call's body
+        self._seen: set[str] = set()
+
+    def fresh(self) -> RepeatedCallStop:
+        return RepeatedCallStop(self._tokenizer)
+
+    def feed(self, token_id: int) -> bool:
+        piece = self._detok.add([token_id])
+        self._text += piece
+        if "}" not in piece:
+            return False
+        start = self._text.find(TOOL_CALL_OPEN, self._pos)
+        if start < 0:
+            return False
+        body = start + len(TOOL_CALL_OPEN)
+        while body < len(self._text) and self._text[body] in " \t\r\n":
+            body += 1
+        try:
+            call, end = json.JSONDecoder().raw_decode(self._text, body)
+        except ValueError:
+            return False  # the call is not complete yet
+        self._pos = end
+        key = json.dumps(call, sort_keys=True, ensure_ascii=False)
+        if key in self._seen:
+            return True
+        self._seen.add(key)
+        return False
 
 
 def grammar_constraint(tokenizer, grammar: str, description: str, start_after: int | None = None) -> Constraint:
@@ -161,7 +208,7 @@ def tool_call_constraint(tokenizer, tools: list[dict], name_or_required: str | L
         if name_or_required is not True and fn["name"] != name_or_required:
             continue
         params = fn.get("parameters")
-        params = {"type": "object"} if params is None else params
+        params = {"type": "object"} if params is None else closed_objects(params)
         _check(tokenizer, _schema_grammar(params, f"parameters schema of the tool {fn['name']!r}"),
                f"parameters schema of the tool {fn['name']!r}")
         options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
@@ -177,7 +224,37 @@ def tool_call_constraint(tokenizer, tools: list[dict], name_or_required: str | L
             f"call: {json.dumps(TOOL_CALL_OPEN + chr(10))} body {json.dumps(chr(10) + TOOL_CALL_CLOSE)}\n"
             f"body: %json {json.dumps(call)}\n")
     what = "forced tool call" if name_or_required is True else f"forced call of {name_or_required!r}"
-    return grammar_constraint(tokenizer, LLMatcher.grammar_from_lark(lark), what, start_after)
+    constraint = grammar_constraint(tokenizer, LLMatcher.grammar_from_lark(lark), what, start_after)
+    if many:
+        constraint.repeat = RepeatedCallStop(tokenizer)
+    return constraint
+
+
+_COMBINED = ("allOf",)  # subschemas that must hold together: closing each could make them contradict
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed after them (additionalProperties false)
+    unless it says itself what other keys it allows (additionalProperties, patternProperties,
+    unevaluatedProperties). Under a forced call the grammar would otherwise admit any extra key, and a small model
+    keeps adding keys until max_tokens cuts the call."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            out[key] = {k: closed_objects(v) for k, v in value.items()}
+        elif key in ("items", "anyOf", "oneOf", "prefixItems", "additionalProperties"):
+            out[key] = closed_objects(value)
+        else:
+            out[key] = value  # allOf parts and everything else as given
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in open_keys) \
+            and not any(k in schema for k in _COMBINED):
+        out["additionalProperties"] = False
+    return out
 
 
 def _check(tokenizer, grammar: str, what: str) -> None:

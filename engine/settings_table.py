@@ -58,6 +58,15 @@ def _origins_ok(origins: Any) -> str | None:
     return None
 
 
+def _aliases_ok(aliases: Any) -> str | None:
+    """Each alias is PATTERN or PATTERN=MODEL_ID, both parts non-empty and without spaces."""
+    for a in aliases:
+        pattern, sep, target = a.partition("=")
+        if not pattern.strip() or (sep and not target.strip()) or any(c.isspace() for c in a):
+            return f"{a!r} is not an alias; write it as PATTERN=MODEL_ID (e.g. claude-*=local) or PATTERN"
+    return None
+
+
 @dataclass(frozen=True)
 class Setting:
     """One knob: its name is the TOML key and the ``Settings`` attribute; ``flag`` and ``env`` are derived from it."""
@@ -136,6 +145,9 @@ SETTINGS: tuple[Setting, ...] = (
         _s("model_id", list, [], "Name clients put in the API's model field; repeat the flag (or separate with commas) to give several.",
            validator=lambda ids: next((f"{i!r} must not contain spaces" for i in ids if _not_blank(i)), None),
            default_means="derived from the model file name"),
+        _s("model_alias", list, [], "Other model names clients may send, each PATTERN=MODEL_ID (shell wildcards allowed, "
+           "e.g. claude-*=local); a bare PATTERN maps to the first served id. Unmapped unknown names are refused with 404.",
+           metavar="PATTERN=ID", validator=_aliases_ok, default_means="only the served ids"),
         _s("log_level", str, "info", "How much the server logs.", choices=("debug", "info", "warning", "error")),
         _s("api_key", str, None, "Secret key clients must send as `Authorization: Bearer KEY` or `X-Api-Key: KEY`; "
            "prefer setting it with NINFER_API_KEY, as command lines are visible to other users.",

@@ -10,6 +10,7 @@ from engine.metrics import RequestCounter
 from engine.server import admin, errors, security
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
+from engine.server.messages import MessagesRequest, count_tokens, messages
 from engine.server.responses import ResponsesRequest, responses
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine.server.state import ServerState
@@ -34,12 +35,8 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models():
-        ctx = state.loaded.context_window if state.loaded is not None else None
-        return {"object": "list", "data": [
-            {"id": m, "object": "model", "created": state.created, "owned_by": "ninfer",
-             "context_window": ctx, "max_model_len": ctx} for m in state.model_ids]}
+        return {"object": "list", "data": [model_card(state, m) for m in state.model_ids]}
 
-    @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await chat_completions(req, state, request)
 
@@ -47,8 +44,30 @@ def create_app(state: ServerState) -> FastAPI:
     async def create_completion(req: CompletionRequest, request: Request):
         return await completions(req, state, request)
 
-    @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, request: Request):
         return await responses(req, state, request)
 
+    async def create_message(req: MessagesRequest, request: Request):
+        return await messages(req, state, request)
+
+    async def count_message_tokens(req: MessagesRequest):
+        return await count_tokens(req, state)
+
+    # Each route once under /v1, and (for clients configured with a bare base URL) without it, out of the schema.
+    for path, handler in (("/chat/completions", create_chat_completion), ("/responses", create_response),
+                          ("/messages", create_message), ("/messages/count_tokens", count_message_tokens)):
+        app.add_api_route("/v1" + path, handler, methods=["POST"])
+        app.add_api_route(path, handler, methods=["POST"], include_in_schema=False)
+    app.add_api_route("/models", list_models, methods=["GET"], include_in_schema=False)
     return app
+
+
+def model_card(state: ServerState, model_id: str) -> dict:
+    """One /v1/models entry: what the served model can do (context and output length are null while loading)."""
+    loaded = state.loaded
+    ctx = loaded.context_window if loaded is not None else None
+    template = (getattr(loaded.tokenizer, "chat_template", None) or "") if loaded is not None else ""
+    return {"id": model_id, "object": "model", "created": state.created, "owned_by": "ninfer",
+            "context_window": ctx, "max_model_len": ctx, "max_output_tokens": ctx,
+            "capabilities": {"chat": bool(template), "tools": "tools" in template, "reasoning": "<think>" in template,
+                             "vision": False, "structured_output": True}}

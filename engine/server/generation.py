@@ -125,8 +125,9 @@ class Choice:
         if final:
             if out.error:
                 ev.error = out.error
-            ev.finish = ("tool_calls" if self.called else
-                         "length" if out.finish_reason == "length" and not self.text.stopped else "stop")
+            budget = out.finish_reason == "length" and not self.text.stopped
+            cut = budget and self.tools is not None and self.tools.cut  # a call cut off: still a call, partial
+            ev.finish = "length" if cut else "tool_calls" if self.called else "length" if budget else "stop"
         return ev
 
 
@@ -164,6 +165,8 @@ async def run_choices(streams, choices: list[Choice], usage: dict):
         try:
             async for out in stream:
                 usage["completion_tokens"][choice.index] = out.completion_tokens
+                if "cached_tokens" in usage:  # prompt tokens served from the prefix cache, when the engine says
+                    usage["cached_tokens"][choice.index] = getattr(out, "cached_tokens", 0) or 0
                 if out.spec_drafted and "speculation" in usage:
                     usage["speculation"][choice.index] = (out.spec_drafted, out.spec_accepted)
                 ev = choice.on_output(out)

@@ -12,7 +12,8 @@ From the outside in, a request meets:
 4. the body size: a ``Content-Length`` over ``max_body_mib`` is refused at once, a chunked body as soon as the bytes
    received pass the limit (413).
 
-Every refusal is an error in the OpenAI shape (``errors.error_body``).
+Every refusal is an error in the shape of the API its path belongs to (``errors.body_for``: OpenAI's, or
+Anthropic's on /v1/messages).
 """
 from __future__ import annotations
 
@@ -23,15 +24,16 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from engine.config import is_loopback
-from engine.server.errors import error_body
+from engine.server.errors import body_for
 
 PUBLIC_PATHS = frozenset({"/health"})  # answered without the API key (GET and HEAD)
 CORS_METHODS = ("GET", "POST", "PUT", "OPTIONS")
-CORS_HEADERS = ("Authorization", "Content-Type", "X-Api-Key")
+CORS_HEADERS = ("Authorization", "Content-Type", "X-Api-Key", "Anthropic-Version", "Anthropic-Beta")
 
 
-async def _send_error(send, status: int, message: str, code: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(status, message, code)).encode()
+async def _send_error(send, status: int, message: str, code: str, headers: dict[str, str] | None = None,
+                      path: str = "") -> None:
+    body = json.dumps(body_for(path, status, message, code)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -73,7 +75,7 @@ class HostCheck:
                    f"other names, listen on them with --host and set --api-key (or NINFER_API_KEY).")
         if scope["type"] == "websocket":  # no routes use websockets; refuse before the handshake
             return await send({"type": "websocket.close", "code": 1008})
-        await _send_error(send, 403, message, "host_not_allowed")
+        await _send_error(send, 403, message, "host_not_allowed", path=scope.get("path", ""))
 
 
 class _BodyTooLarge(HTTPException):
@@ -108,12 +110,13 @@ class Gate:
             if scope["type"] == "websocket" and self.key is not None and not self._key_ok(scope):
                 return await send({"type": "websocket.close", "code": 1008})
             return await self.app(scope, receive, send)
+        path = scope.get("path", "")
         if self.key is not None and not self._exempt(scope) and not self._key_ok(scope):
             sent = bool(_header(scope, b"authorization") or _header(scope, b"x-api-key"))
             message = ("Incorrect API key provided." if sent else "Missing API key.") + (
                 " This server needs its API key in the header 'Authorization: Bearer KEY' (OpenAI clients send "
                 "their api_key that way) or 'X-Api-Key: KEY'; the key is the server's --api-key / NINFER_API_KEY.")
-            return await _send_error(send, 401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            return await _send_error(send, 401, message, "invalid_api_key", {"WWW-Authenticate": "Bearer"}, path)
 
         limit_mib = self.max_body // (1024 * 1024)
         too_large = (f"The request body is larger than this server's limit of {limit_mib} MiB; send a smaller "
@@ -123,9 +126,10 @@ class Gate:
             try:
                 length = int(lengths[0])
             except ValueError:
-                return await _send_error(send, 400, "The Content-Length header is not a number.", "invalid_request")
+                return await _send_error(send, 400, "The Content-Length header is not a number.", "invalid_request",
+                                         path=path)
             if length > self.max_body:
-                return await _send_error(send, 413, too_large, "request_too_large")
+                return await _send_error(send, 413, too_large, "request_too_large", path=path)
             return await self.app(scope, receive, send)
 
         # No Content-Length (chunked): count the bytes as the app reads them.
@@ -153,7 +157,7 @@ class Gate:
         except _BodyTooLarge:
             pass
         if exceeded and not started:
-            await _send_error(send, 413, too_large, "request_too_large")
+            await _send_error(send, 413, too_large, "request_too_large", path=path)
 
 
 def install(app, state) -> None:

@@ -1,6 +1,7 @@
 """What the server holds: the loaded engine (None while loading), the settings and the served model ids."""
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass, field
 
 from engine.config import Settings, sampling_defaults
@@ -41,8 +42,25 @@ class ServerState:
                            code="model_loading", headers={"Retry-After": "2"})
         return self.loaded
 
-    def check_model(self, requested: str) -> None:
-        if requested not in self.model_ids:
-            raise APIError(404, f"The model '{requested}' does not exist on this server; it serves "
-                                f"{', '.join(repr(m) for m in self.model_ids)}.", code="model_not_found",
-                           param="model")
+    def check_model(self, requested: str) -> str:
+        """The served id a request's model name stands for: a served id itself, or the target of the first
+        --model-alias pattern it matches; 404 for any other name (never silently served)."""
+        if requested in self.model_ids:
+            return requested
+        for alias in getattr(self.settings, "model_alias", None) or ():
+            pattern, _, target = alias.partition("=")
+            if fnmatch.fnmatchcase(requested, pattern.strip()):
+                target = target.strip() or self.model_ids[0]
+                if target not in self.model_ids:
+                    raise APIError(404, f"The model alias {alias!r} maps {requested!r} to {target!r}, which this "
+                                        f"server does not serve; it serves {_listed(self.model_ids)}. Fix the "
+                                        f"--model-alias setting.", code="model_not_found", param="model")
+                return target
+        hint = (" Map other names to it with --model-alias PATTERN=ID (e.g. --model-alias 'claude-*="
+                f"{self.model_ids[0]}')." if self.model_ids else "")
+        raise APIError(404, f"The model '{requested}' does not exist on this server; it serves "
+                            f"{_listed(self.model_ids)}.{hint}", code="model_not_found", param="model")
+
+
+def _listed(ids: list[str]) -> str:
+    return ", ".join(repr(m) for m in ids)

@@ -9,13 +9,15 @@ class StopStrings:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.hit: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> tuple[str, bool]:
         buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, self.hit = min(hits, key=lambda h: h[0])
             self.pending = ""
-            return buf[:min(hits)], True
+            return buf[:at], True
         keep = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), keep, -1):

@@ -11,28 +11,29 @@ Recognised forms (a call counts only when its name is among the offered tools; a
 The whole-text parser is the streamer fed everything at once, so both agree however the text is split. The
 streamer passes text through as soon as it can no longer be part of a call, holds a possible call until it is
 complete, and gives it back as content when it turns out not to be one. Content is stripped at both ends.
+
+A call that repeats an earlier call of the same answer (same name, same arguments) is dropped: it is never useful.
+A `<tool_call>` cut off at the end of the output (the token budget ran out) is still a call, with the arguments
+written so far (engine.server.partialcalls); `cut` tells that it happened.
 """
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import string
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from engine.server.callsyntax import (CALL_FIRST_KEYS, JSON_WS, calls_from_json, canonical, json_calls, loads,
+                                      tag_calls)
+from engine.server.partialcalls import cut_call
 from engine.server.reasoning import partial_tail
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
-MISTRAL, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+MISTRAL = "[TOOL_CALLS]"
 FENCE = "```"
 FENCE_LANGS = ("", "json", "tool_call", "tool_calls", "tool_code")
-# Keys a bare or fenced call object may start with: anything else (a JSON answer) is content from its first key on.
-CALL_FIRST_KEYS = {"name", "arguments", "parameters", "function", "type", "id"}
-JSON_WS = " \t\r\n"
 _ID_CHARS = string.ascii_letters + string.digits
-_FUNC_RE = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 _MISTRAL_NAME_RE = re.compile(r"([A-Za-z0-9_.\-]+)\[ARGS\]")
 _MISTRAL_PARTIAL_RE = re.compile(r"[A-Za-z0-9_.\-]*(\[(A(R(G(S)?)?)?)?)?")
 
@@ -64,104 +65,6 @@ class ToolCall:
 class ParsedOutput:
     content: str | None
     tool_calls: list[ToolCall] = field(default_factory=list)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not JSON")
-
-
-def _loads(text: str) -> Any:
-    return json.loads(text, parse_constant=_no_constant)
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
-
-
-def _arguments(value: Any) -> dict | None:
-    if value is None:
-        return {}
-    if isinstance(value, str):
-        if not value.strip():
-            return {}
-        try:
-            value = _loads(value)
-        except ValueError:
-            return None
-    return value if isinstance(value, dict) else None
-
-
-def _calls_from_json(value: Any, names: set[str] | None, strict: bool) -> list[tuple[str, str]] | None:
-    """(name, arguments JSON) for each call in a decoded object or list; None unless all of it is calls.
-    strict (bare and fenced JSON): each object must start with a call key and carry arguments or parameters."""
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not item or (strict and next(iter(item)) not in CALL_FIRST_KEYS):
-            return None
-        if isinstance(item.get("function"), dict):  # the OpenAI shape {"type": "function", "function": {...}}
-            item = item["function"]
-        name = item.get("name")
-        if not isinstance(name, str) or not name or (names is not None and name not in names):
-            return None
-        key = "arguments" if "arguments" in item else "parameters" if "parameters" in item else None
-        if key is None and strict:
-            return None
-        args = _arguments(item[key] if key else None)
-        if args is None:
-            return None
-        calls.append((name, json.dumps(args, ensure_ascii=False)))
-    return calls or None
-
-
-def _json_calls(text: str, names: set[str] | None, strict: bool) -> list[tuple[str, str]] | None:
-    """Calls from one or more JSON values separated by whitespace."""
-    text, pos, calls = text.strip(), 0, []
-    while pos < len(text):
-        try:
-            value, pos = _DECODER.raw_decode(text, pos)
-        except ValueError:
-            return None
-        got = _calls_from_json(value, names, strict)
-        if got is None:
-            return None
-        calls += got
-        while pos < len(text) and text[pos] in JSON_WS:
-            pos += 1
-    return calls or None
-
-
-def _xml_value(raw: str) -> Any:
-    raw = raw[1:] if raw.startswith("\n") else raw
-    raw = raw[:-1] if raw.endswith("\n") else raw
-    try:
-        return _loads(raw)
-    except ValueError:
-        return raw
-
-
-def _xml_calls(text: str, names: set[str] | None) -> list[tuple[str, str]] | None:
-    """Qwen3-Coder: <function=NAME><parameter=P>VALUE</parameter>...</function>, values decoded as JSON when they
-    are JSON (numbers, booleans, objects) and kept as text otherwise."""
-    text, pos, calls = text.strip(), 0, []
-    for m in _FUNC_RE.finditer(text):
-        name, body, args, at = m.group(1).strip(), m.group(2), {}, 0
-        if text[pos:m.start()].strip() or (names is not None and name not in names):
-            return None
-        for p in _PARAM_RE.finditer(body):
-            if body[at:p.start()].strip():
-                return None
-            args[p.group(1).strip()] = _xml_value(p.group(2))
-            at = p.end()
-        if body[at:].strip():
-            return None
-        calls.append((name, json.dumps(args, ensure_ascii=False)))
-        pos = m.end()
-    return calls if calls and not text[pos:].strip() else None
-
-
-def _tag_calls(inner: str, names: set[str] | None) -> list[tuple[str, str]] | None:
-    inner = inner.strip()
-    return _xml_calls(inner, names) if inner.startswith("<function=") else _json_calls(inner, names, strict=False)
 
 
 def _at_line_start(text: str, i: int, line_start: bool, start: int = 0) -> bool:
@@ -253,6 +156,8 @@ class ToolCallStreamer:
         self.names = None if tool_names is None else set(tool_names)
         self.enabled = self.names is None or bool(self.names)
         self.tool_calls: list[ToolCall] = []
+        self.cut = False          # the last call was cut off (its arguments are partial)
+        self._seen: set[tuple[str, str]] = set()
         self._buf = ""
         self._code = False        # inside a ``` block that is not a tool call
         self._bare_ok = True      # bare JSON may start here: output start or right after a call
@@ -304,6 +209,10 @@ class ToolCallStreamer:
     def _call(self, calls: list[tuple[str, str]], n: int) -> bool:
         self._buf, self._scan = self._buf[n:], None
         for name, arguments in calls:
+            key = (name, canonical(arguments))
+            if key in self._seen:
+                continue
+            self._seen.add(key)
             call = ToolCall.new(name, arguments)
             self._events.append(("tool_call", len(self.tool_calls), call.id, name, arguments))
             self.tool_calls.append(call)
@@ -318,7 +227,7 @@ class ToolCallStreamer:
         if end is None:
             return None if final else _WAIT
         try:
-            return (_loads(self._buf[start:end]), end) if end > 0 else None
+            return (loads(self._buf[start:end]), end) if end > 0 else None
         except ValueError:
             return None
 
@@ -365,7 +274,12 @@ class ToolCallStreamer:
             if not head or head[0] in "{[" or head.startswith("<function=") or "<function=".startswith(head):
                 return False
             return self._text(n)  # cannot become a call: the tag is content
-        calls = _tag_calls(buf[n:end] if end >= 0 else buf[n:], self.names)
+        calls = tag_calls(buf[n:end] if end >= 0 else buf[n:], self.names)
+        if calls is None and end < 0:
+            cut = cut_call(buf[n:], self.names)
+            if cut is not None:
+                self.cut = True
+                return self._call([cut], len(buf))
         if calls is None:
             return self._text(n)
         return self._call(calls, end + len(TAG_CLOSE) if end >= 0 else len(buf))
@@ -384,7 +298,7 @@ class ToolCallStreamer:
         if close < 0 and not final:
             head = buf[nl + 1:].lstrip()
             return self._open_code() if head and head[0] not in "{[" else False
-        calls = _json_calls(buf[nl + 1:close] if close >= 0 else buf[nl + 1:], self.names, strict=True)
+        calls = json_calls(buf[nl + 1:close] if close >= 0 else buf[nl + 1:], self.names, strict=True)
         if calls is None:
             return self._open_code()
         return self._call(calls, close + len(FENCE) if close >= 0 else len(buf))
@@ -403,7 +317,7 @@ class ToolCallStreamer:
         got = self._json_at(0, final)
         if got is _WAIT:
             return False
-        calls = None if got is None else _calls_from_json(got[0], self.names, strict=True)
+        calls = None if got is None else calls_from_json(got[0], self.names, strict=True)
         return self._call(calls, got[1]) if calls else self._text(1)
 
     def _mistral(self, final: bool) -> bool:
@@ -417,7 +331,7 @@ class ToolCallStreamer:
             if got is _WAIT:
                 return False
             if got is not None:
-                calls, end = _calls_from_json(got[0], self.names, strict=False), got[1]
+                calls, end = calls_from_json(got[0], self.names, strict=False), got[1]
         else:
             m = _MISTRAL_NAME_RE.match(buf, i)
             if m is None:
@@ -431,7 +345,7 @@ class ToolCallStreamer:
             if got is _WAIT:
                 return False
             if got is not None:
-                calls, end = _calls_from_json({"name": m.group(1), "arguments": got[0]}, self.names, False), got[1]
+                calls, end = calls_from_json({"name": m.group(1), "arguments": got[0]}, self.names, False), got[1]
         return self._call(calls, end) if calls else self._text(len(MISTRAL))
 
 

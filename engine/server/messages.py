@@ -1,0 +1,275 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API (what Claude Code and the
+`anthropic` SDK send), mapped onto the chat pipeline: the request becomes chat messages, tools and sampling values,
+the model's output comes back as content blocks (engine.server.messages_reply).
+
+Claude Code puts a per-request attribution block first in `system` (its text starts with
+`x-anthropic-billing-header`); it changes with every request and would defeat prefix reuse, so it is dropped.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field, ValidationError
+
+from engine.server.chat import SSE_HEADERS, output_constraint, render
+from engine.server.errors import APIError
+from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
+from engine.server.messages_reply import MessageReply
+from engine.server.parsers import tool_names_for
+from engine.server.schemas import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, _Open
+from engine.server.state import ServerState
+
+BILLING_HEADER = "x-anthropic-billing-header"
+OMITTED_TOOLS_HEADER = "X-NInfer-Omitted-Tools"
+_THINKING_EFFORT = {"enabled": "high", "disabled": "none", "adaptive": None}
+
+
+class MessagesRequest(_Open):
+    """Anthropic's request body; fields this server has no use for (metadata, context_management, output_config,
+    service_tier, container, mcp_servers, ...) are accepted and ignored."""
+    model: str
+    messages: list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
+    system: str | list[dict[str, Any]] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+def _bad(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _text_blocks(content: Any, where: str) -> str:
+    """The text of a string or a list of text blocks (tool results, system); anything else is a 400."""
+    if isinstance(content, str):
+        return content
+    if content is None:
+        return ""
+    if not isinstance(content, list):
+        raise _bad(f"{where} must be a string or a list of content blocks.", where)
+    texts = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(str(block.get("text", "")))
+        elif kind in ("image", "document"):
+            raise _bad(f"{where}[{j}] is an {kind} block, but this model reads text only (it has no vision). Send "
+                       f"the content as text.", f"{where}[{j}]")
+        else:
+            raise _bad(f"{where}[{j}] has type {kind!r}; only text blocks are allowed here.", f"{where}[{j}]")
+    return "\n".join(texts)
+
+
+def system_prompt(system: str | list[dict] | None) -> str:
+    """The system text: a string, or text blocks joined by blank lines (cache_control ignored), without Claude
+    Code's per-request billing block."""
+    if system is None or isinstance(system, str):
+        return system or ""
+    parts = []
+    for j, block in enumerate(system):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise _bad(f"system[{j}] has type {kind!r}; system blocks must be text blocks.", f"system[{j}]")
+        text = str(block.get("text", ""))
+        if not text.lstrip().startswith(BILLING_HEADER):
+            parts.append(text)
+    return "\n\n".join(p for p in parts if p)
+
+
+def _user_blocks(content: Any, i: int, out: list[dict]) -> None:
+    """A user turn: text blocks become user messages, tool_result blocks tool messages, in their order."""
+    if isinstance(content, str):
+        _add_user(out, content)
+        return
+    if not isinstance(content, list):
+        raise _bad(f"messages[{i}].content must be a string or a list of content blocks.", f"messages[{i}].content")
+    for j, block in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            _add_user(out, str(block.get("text", "")))
+        elif kind == "tool_result":
+            text = _text_blocks(block.get("content"), where + ".content")
+            if block.get("is_error"):
+                text = f"Error: {text}" if text else "Error"
+            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": text})
+        elif kind in ("image", "document"):
+            raise _bad(f"{where} is an {kind} block, but this model reads text only (it has no vision). Send the "
+                       f"content as text.", where)
+        elif kind in ("thinking", "redacted_thinking"):
+            continue
+        else:
+            raise _bad(f"{where} has type {kind!r}; a user turn may hold text, image and tool_result blocks.", where)
+
+
+def _add_user(out: list[dict], text: str) -> None:
+    """Appends user text, merged into a user message just before it (templates want turns to alternate)."""
+    last = out[-1] if out else None
+    if last is not None and last["role"] == "user":
+        last["content"] = f"{last['content']}\n\n{text}" if last["content"] else text
+    else:
+        out.append({"role": "user", "content": text})
+
+
+def _assistant_blocks(content: Any, i: int, out: list[dict]) -> None:
+    if isinstance(content, str):
+        out.append({"role": "assistant", "content": content})
+        return
+    if not isinstance(content, list):
+        raise _bad(f"messages[{i}].content must be a string or a list of content blocks.", f"messages[{i}].content")
+    texts, thinking, calls = [], [], []
+    for j, block in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(str(block.get("text", "")))
+        elif kind == "thinking":
+            thinking.append(str(block.get("thinking", "")))
+        elif kind == "redacted_thinking":
+            continue  # encrypted by another provider: nothing this model can read
+        elif kind == "tool_use":
+            args = block.get("input")
+            calls.append({"id": str(block.get("id", "")), "type": "function",
+                          "function": {"name": block.get("name"),
+                                       "arguments": json.dumps(args if isinstance(args, dict) else {})}})
+        else:
+            raise _bad(f"{where} has type {kind!r}; an assistant turn may hold text, thinking, redacted_thinking "
+                       f"and tool_use blocks.", where)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+    if thinking:
+        message["reasoning_content"] = "\n".join(thinking)  # kept or dropped by the template
+    if calls:
+        message["tool_calls"] = calls
+    out.append(message)
+
+
+def to_chat_messages(req: MessagesRequest) -> list[dict]:
+    """Anthropic system + messages -> chat messages. `system`-role entries before the conversation join the system
+    prompt; later ones are passed as user text (most templates accept a system message only first)."""
+    system = [system_prompt(req.system)] if req.system else []
+    out: list[dict] = []
+    for i, m in enumerate(req.messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object with a role and content.", f"messages[{i}]")
+        role, content = m.get("role"), m.get("content")
+        if role == "system":
+            text = _text_blocks(content, f"messages[{i}].content")
+            if out:
+                _add_user(out, text)
+            else:
+                system.append(text)
+        elif role == "user":
+            _user_blocks(content, i, out)
+        elif role == "assistant":
+            _assistant_blocks(content, i, out)
+        else:
+            raise _bad(f"messages[{i}].role must be user or assistant (or system), not {role!r}.",
+                       f"messages[{i}].role")
+    system_text = "\n\n".join(s for s in system if s)
+    return ([{"role": "system", "content": system_text}] if system_text else []) + out
+
+
+def to_chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[str]]:
+    """Custom tools as function tools; Anthropic's own tool types (web search, code execution, bash, ...) cannot
+    run here: they are left out and named in the second list."""
+    out, omitted = [], []
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, dict):
+            raise _bad(f"tools[{i}] must be an object.", f"tools[{i}]")
+        kind = t.get("type")
+        if kind not in (None, "custom"):
+            omitted.append(str(t.get("name") or kind))
+            continue
+        fn = {"name": t.get("name"), "parameters": t.get("input_schema") or {"type": "object"}}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out or None, omitted
+
+
+def to_chat_tool_choice(choice: dict | None) -> tuple[Any, bool | None]:
+    """Anthropic's tool_choice -> (chat tool_choice, parallel_tool_calls)."""
+    if choice is None:
+        return None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise _bad("tool_choice must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": \"none\"} or "
+               "{\"type\": \"tool\", \"name\": ...}.", "tool_choice")
+
+
+def thinking_effort(thinking: dict | None) -> str | None:
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in _THINKING_EFFORT:
+        raise _bad(f"thinking.type must be enabled, adaptive or disabled, not {kind!r}.", "thinking.type")
+    return _THINKING_EFFORT[kind]
+
+
+def to_chat_request(req: MessagesRequest, served: str) -> tuple[ChatCompletionRequest, list[str]]:
+    tools, omitted = to_chat_tools(req.tools)
+    tool_choice, parallel = to_chat_tool_choice(req.tool_choice)
+    if tools is None and tool_choice not in (None, "auto", "none"):
+        raise _bad("tool_choice asks for a tool call, but no tools were sent.", "tool_choice")
+    try:
+        chat = ChatCompletionRequest(
+            model=served, messages=to_chat_messages(req) or [{"role": "user", "content": ""}], tools=tools,
+            tool_choice=tool_choice, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, stop=req.stop_sequences, reasoning_effort=thinking_effort(req.thinking),
+            parallel_tool_calls=parallel)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        param = {"stop": "stop_sequences"}.get(str(first["loc"][0]), "messages") if first["loc"] else "messages"
+        raise _bad(f"The request cannot be read: {where}: {first['msg']}.", param) from None
+    return chat, omitted
+
+
+def _headers(omitted: list[str]) -> dict:
+    return {OMITTED_TOOLS_HEADER: ", ".join(omitted)} if omitted else {}
+
+
+async def messages(req: MessagesRequest, state: ServerState, request=None):
+    served = state.check_model(req.model)
+    loaded = state.ready()
+    if req.max_tokens is None:
+        raise _bad("max_tokens is required: the most tokens the answer may have (it is capped to the room left "
+                   "in the context).", "max_tokens")
+    chat, omitted = to_chat_request(req, served)
+    prompt, in_reasoning = render(state, chat)
+    params = sampling_params(chat, state, len(prompt), loaded.context_window)
+    params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)
+    streams = submit(state, prompt, params, 1)
+    reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
+    choice = Choice(0, loaded.tokenizer, chat.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
+                    tool_names=tool_names_for(chat.tools, chat.tool_choice))
+    hide = (req.thinking or {}).get("display") == "omitted"
+    reply = MessageReply(req.model, streams, choice, len(prompt), hide_thinking=hide)
+    if req.stream:
+        return StreamingResponse(reply.sse(), media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **_headers(omitted)})
+    return JSONResponse(await unless_disconnected(request, reply.whole()), headers=_headers(omitted))
+
+
+async def count_tokens(req: MessagesRequest, state: ServerState) -> dict:
+    """The prompt tokens the engine would see for this request (the same rendering as /v1/messages)."""
+    served = state.check_model(req.model)
+    state.ready()
+    chat, _ = to_chat_request(req, served)
+    prompt, _ = render(state, chat)
+    return {"input_tokens": len(prompt)}
