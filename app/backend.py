@@ -51,6 +51,21 @@ class BackendMixin:
             self.remote = False
             self.launcher.show()
 
+    # ---- what the chat needs to know about the model ------------------------------------------------------------
+    def context_window(self) -> int | None:
+        """The model's context in tokens (this computer's engine; unknown for another server)."""
+        s = self.service
+        if self.remote or s is None or s.status != READY:
+            return None
+        value = s.stats().get("context_window")
+        return value if isinstance(value, int) and value > 0 else None
+
+    def default_max_tokens(self) -> int | None:
+        s = self.service
+        if self.remote or s is None:
+            return None
+        return getattr(getattr(s, "settings", None), "default_max_tokens", None)
+
     # ---- mode -----------------------------------------------------------------------------------------------------
     async def refresh_mode(self) -> None:
         data = None

@@ -1,9 +1,12 @@
 """The chat: a transcript streamed over the HTTP API, like any client (the conversation list is app/conversations.py,
-the transcript's HTML app/transcript.py).
+the transcript's HTML app/transcript.py, the per-conversation settings app/chat_options.py, the context bar and
+attachments app/chat_context.py).
 
 Streaming runs as an asyncio task on the qasync loop (httpx), never on the GUI thread's time: tokens only mark the
 transcript dirty, and a timer repaints it a few times a second. Stop cancels the task, which closes the connection,
 which aborts the request in the engine. Each answer records its tokens, time to first token and tokens per second.
+Regenerate keeps the earlier answers as versions to flip through (app/versions.py). When the conversation outgrows
+the model's context, the oldest turns are left out of the prompt and the answer says so (app/context.py).
 """
 from __future__ import annotations
 
@@ -12,18 +15,22 @@ import time
 from contextlib import aclosing
 
 import httpx
-from PySide6.QtCore import Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QDesktopServices, QGuiApplication, QKeyEvent
-from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSpinBox, QTextBrowser,
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QKeyEvent
+from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTextBrowser,
                                QToolButton, QVBoxLayout, QWidget)
 
-from app import theme
+from app import context, theme, versions
 from app.asyncutil import spawn
+from app.chat_context import ContextBar
+from app.chat_actions import TranscriptActions
+from app.chat_options import ChatOptions
 from app.client import ApiError
 from app.store import Conversation, ConversationStore, Message
 from app.transcript import sampling_text, transcript_html
 
 REPAINT_MS = 200  # at most five repaints a second while tokens stream
+COPIED_MS = 1500  # how long "Copied ✓" stands in place of a Copy link
 NEW_TITLE = "New chat"
 
 
@@ -40,7 +47,7 @@ class _Input(QPlainTextEdit):
         super().keyPressEvent(event)
 
 
-class ChatPanel(QWidget):
+class ChatPanel(TranscriptActions, QWidget):
     """``controller`` gives ``client`` (ApiClient), ``model_id``, ``set_mode()`` and the ``mode_changed`` signal."""
 
     generation_finished = Signal()
@@ -58,8 +65,11 @@ class ChatPanel(QWidget):
         self.dirty = False
         self._stick = True  # the transcript follows its end
         self.render_count = 0
-        self.max_tokens: int | None = None
+        self.copied: tuple[int, int | None] | None = None  # (message, code block or None) just copied
+        self.chars_per_token = context.DEFAULT_CHARS_PER_TOKEN  # calibrated by each answer's usage
         self._build()
+        self._copied_timer = QTimer(self, singleShot=True, interval=COPIED_MS)
+        self._copied_timer.timeout.connect(self._copied_done)
         self._timer = QTimer(self, interval=REPAINT_MS)
         self._timer.timeout.connect(self._repaint_if_dirty)
         self._timer.start()
@@ -87,22 +97,23 @@ class ChatPanel(QWidget):
             self.mode_buttons.addButton(b)
             bar.addWidget(b)
         self.mode_buttons.buttonClicked.connect(lambda b: spawn(self.controller.set_mode(b.property("mode"))))
-        self.sampling_label = QLabel()
-        self.sampling_label.setObjectName("Muted")
-        bar.addWidget(self.sampling_label)
         self.system_toggle = QToolButton()
-        self.system_toggle.setText("System prompt")
+        self.system_toggle.setText("Chat settings")
+        self.system_toggle.setToolTip("System prompt, temperature, top-p, top-k and max tokens for this conversation")
         self.system_toggle.setCheckable(True)
-        self.system_toggle.toggled.connect(lambda on: self.system_prompt.setVisible(on))
+        self.system_toggle.toggled.connect(lambda on: self.options.setVisible(on))
         bar.addWidget(self.system_toggle)
         layout.addLayout(bar)
+        self.sampling_label = QLabel()
+        self.sampling_label.setObjectName("Muted")
+        self.sampling_label.setWordWrap(True)
+        layout.addWidget(self.sampling_label)
 
-        self.system_prompt = QPlainTextEdit()
-        self.system_prompt.setPlaceholderText("System prompt for this conversation (optional)")
-        self.system_prompt.setMaximumHeight(80)
-        self.system_prompt.setVisible(False)
-        self.system_prompt.textChanged.connect(self._system_changed)
-        layout.addWidget(self.system_prompt)
+        self.options = ChatOptions()
+        self.options.setVisible(False)
+        self.system_prompt = self.options.system_prompt
+        self.options.changed.connect(self._options_changed)
+        layout.addWidget(self.options)
 
         self.view = QTextBrowser()
         self.view.setObjectName("Transcript")
@@ -124,11 +135,17 @@ class ChatPanel(QWidget):
         self.edit_bar.setVisible(False)
         layout.addWidget(self.edit_bar)
 
+        self.notice = QLabel()  # why a message was not sent (too long for the context, ...)
+        self.notice.setObjectName("Error")
+        self.notice.setWordWrap(True)
+        self.notice.setVisible(False)
+        layout.addWidget(self.notice)
         row = QHBoxLayout()
         self.input = _Input()
         self.input.setPlaceholderText("Message the model  (Enter sends, Shift+Enter for a new line)")
         self.input.setMaximumHeight(96)
         self.input.submit.connect(lambda: self.send())
+        self.input.textChanged.connect(self.update_context)
         row.addWidget(self.input, 1)
         buttons = QVBoxLayout()
         self.send_button = QPushButton("Send")
@@ -143,16 +160,9 @@ class ChatPanel(QWidget):
         buttons.addWidget(self.regen_button)
         row.addLayout(buttons)
         layout.addLayout(row)
-        opts = QHBoxLayout()
-        opts.addStretch(1)
-        opts.addWidget(QLabel("Max tokens"))
-        self.max_tokens_spin = QSpinBox()
-        self.max_tokens_spin.setRange(0, 1_000_000)
-        self.max_tokens_spin.setSpecialValueText("server default")
-        self.max_tokens_spin.setToolTip("Longest answer in tokens; 0 uses the server's default_max_tokens.")
-        self.max_tokens_spin.valueChanged.connect(lambda v: setattr(self, "max_tokens", v or None))
-        opts.addWidget(self.max_tokens_spin)
-        layout.addLayout(opts)
+        self.context_bar = ContextBar(self)
+        self.context_bar.changed.connect(self.update_context)
+        layout.addWidget(self.context_bar)
         self._update_buttons()
 
     # ---- conversations -----------------------------------------------------------------------------------------
@@ -162,23 +172,37 @@ class ChatPanel(QWidget):
         conv = self.store.get(conversation_id) if conversation_id is not None else None
         self.conversation = conv
         self.messages = self.store.messages(conv.id) if conv else []
-        self.system_prompt.blockSignals(True)
-        self.system_prompt.setPlainText(conv.system_prompt if conv else "")
-        self.system_prompt.blockSignals(False)
-        self.system_toggle.setChecked(bool(conv and conv.system_prompt))
+        self.options.set_options(conv.options if conv else {}, conv.system_prompt if conv else "")
+        self.system_toggle.setChecked(bool(conv and (conv.system_prompt or conv.options)))
+        self.context_bar.clear_attachments()
+        self.notice.setVisible(False)
         self.cancel_edit()
+        self.update_context()
         self._stick = True
         self.render()
         self._update_buttons()
 
-    def _system_changed(self) -> None:
+    def _options_changed(self) -> None:
         if self.conversation is not None:
             self.conversation.system_prompt = self.system_prompt.toPlainText()
+            self.conversation.options = self.options.options()
             self.store.set_system_prompt(self.conversation.id, self.conversation.system_prompt)
+            self.store.set_options(self.conversation.id, self.conversation.options)
+        self.update_context()
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.options.options().get("max_tokens")
+
+    @max_tokens.setter
+    def max_tokens(self, value: int | None) -> None:
+        self.options.set_value("max_tokens", value)
 
     def _ensure_conversation(self) -> Conversation:
         if self.conversation is None:
             self.conversation = self.store.create(NEW_TITLE, self.system_prompt.toPlainText())
+            self.conversation.options = self.options.options()
+            self.store.set_options(self.conversation.id, self.conversation.options)
             self.controller.conversations_changed(self.conversation.id)
         return self.conversation
 
@@ -191,6 +215,14 @@ class ChatPanel(QWidget):
         text = (self.input.toPlainText() if text is None else text).strip()
         if not text or self.busy or self.controller.client is None:
             return False
+        text = self.context_bar.with_attachments(text)
+        problem = self.context_bar.too_long(text)
+        if problem:
+            self.notice.setText(problem)
+            self.notice.setVisible(True)
+            return False
+        self.notice.setVisible(False)
+        self.context_bar.clear_attachments()
         conv = self._ensure_conversation()
         if self.editing is not None:
             self.store.truncate(conv.id, self.editing)
@@ -211,37 +243,24 @@ class ChatPanel(QWidget):
         last_user = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
         if last_user is None:
             return False
+        answer = self.messages[last_user + 1] if last_user + 1 < len(self.messages) else None
+        before = versions.earlier(answer)  # the earlier answers stay, as versions of the new one
         self.store.truncate(self.conversation.id, last_user + 1)
         self.messages = self.messages[:last_user + 1]
-        self._generate()
+        self._generate(before)
         return True
 
     def stop(self) -> None:
         if self.busy:
             self.task.cancel()
+        self.input.setFocus()  # the next message is typed at once (Stop is about to be disabled)
 
-    def edit(self, index: int) -> None:
-        if self.busy or not (0 <= index < len(self.messages)) or self.messages[index].role != "user":
-            return
-        self.editing = index
-        self.input.setPlainText(self.messages[index].content)
-        self.input.setFocus()
-        self.edit_bar.setVisible(True)
-
-    def cancel_edit(self) -> None:
-        self.editing = None
-        self.edit_bar.setVisible(False)
-
-    def copy(self, index: int) -> None:
-        if 0 <= index < len(self.messages):
-            QGuiApplication.clipboard().setText(self.messages[index].content)
-
-    def _generate(self) -> None:
+    def _generate(self, before: list | None = None) -> None:
         conv = self.conversation
         assistant = self.store.append(conv.id, Message("assistant"))
         self.messages.append(assistant)
         self.streaming = assistant
-        self.task = spawn(self._stream(assistant), "chat-stream")
+        self.task = spawn(self._stream(assistant, before or []), "chat-stream")
         self.task.add_done_callback(lambda _t: self._never_ran(assistant))
         self._update_buttons()
         self.render()
@@ -258,22 +277,33 @@ class ChatPanel(QWidget):
             self._update_buttons()
             self.generation_finished.emit()
 
-    def api_messages(self) -> list[dict]:
+    def api_messages(self, extra: str | None = None) -> list[dict]:
+        """The conversation as the API takes it (``extra``: a message still being typed, for the context bar)."""
         history = [m for m in self.messages if m is not self.streaming and not m.stats.get("error")
                    and (m.role != "assistant" or m.content or m.tool_calls)]
         system = self.system_prompt.toPlainText().strip()
-        return ([{"role": "system", "content": system}] if system else []) + [m.api_dict() for m in history]
+        out = ([{"role": "system", "content": system}] if system else []) + [m.api_dict() for m in history]
+        return out + ([{"role": "user", "content": extra}] if extra else [])
 
-    async def _stream(self, msg: Message) -> None:
+    def update_context(self) -> None:
+        typed = self.input.toPlainText().strip()
+        self.context_bar.show_usage(self.api_messages(self.context_bar.with_attachments(typed) if typed or
+                                                      self.context_bar.attachments else None))
+
+    async def _stream(self, msg: Message, before: list) -> None:
         client = self.controller.client
-        messages = self.api_messages()
+        fitted = context.fit(self.api_messages(), self.context_bar.window, self.max_tokens, self.chars_per_token)
+        messages = fitted.messages
+        if fitted.left_out:
+            msg.stats["left_out"] = fitted.left_out
+        params = {k: v for k, v in self.options.options().items()}
         t0 = time.perf_counter()
         first: float | None = None
         events = 0
         usage = None
         finish = None
         try:
-            stream = client.stream_chat(self.controller.model_id, messages, max_tokens=self.max_tokens)
+            stream = client.stream_chat(self.controller.model_id, messages, **params)
             async with aclosing(stream) as events_in:
                 async for ev in events_in:
                     if ev.kind in ("content", "reasoning", "tool_calls"):
@@ -301,14 +331,21 @@ class ChatPanel(QWidget):
         finally:
             end = time.perf_counter()
             tokens = (usage or {}).get("completion_tokens", events if events else None)
+            prompt_tokens = (usage or {}).get("prompt_tokens")
+            if prompt_tokens:
+                msg.stats["prompt_tokens"] = prompt_tokens
+                self.chars_per_token = context.calibrate(sum(len(m.get("content") or "") for m in messages),
+                                                         prompt_tokens, self.chars_per_token)
             msg.stats.update(tokens=tokens, finish=finish or msg.stats.get("finish"),
                              ttft=(first - t0) if first is not None else None,
                              tok_s=((tokens - 1) / (end - first)) if first is not None and tokens and tokens > 1
                              and end > first else None)
+            versions.finish(msg, before)
             self.store.update(msg)
             self.streaming = None
             self.render()
             self._update_buttons()
+            self.update_context()
             self.generation_finished.emit()
 
     # ---- showing ---------------------------------------------------------------------------------------------------
@@ -319,12 +356,16 @@ class ChatPanel(QWidget):
             b.setChecked(b.property("mode") == mode)
         self.sampling_label.setText(sampling_text(sampling) if available else
                                     "this server has no mode switch")
+        self.options.set_defaults(sampling, self.controller.default_max_tokens()
+                                  if hasattr(self.controller, "default_max_tokens") else None)
 
     def set_model_label(self, text: str) -> None:
         self.model_label.setText(text)
 
     def _update_buttons(self) -> None:
         busy = self.busy
+        if busy is False and self.stop_button.hasFocus():
+            self.input.setFocus()  # a disabled Stop would hand the focus to the next field
         self.send_button.setEnabled(not busy)
         self.stop_button.setEnabled(busy)
         self.regen_button.setEnabled(not busy and any(m.role == "user" for m in self.messages))
@@ -352,23 +393,4 @@ class ChatPanel(QWidget):
                 self.view.verticalScrollBar().maximum()))
 
     def transcript_html(self) -> str:
-        return transcript_html(self.messages, self.streaming, self.expanded, theme.transcript_theme())
-
-    def _link(self, url: QUrl) -> None:
-        if url.scheme() != "ninfer":
-            QDesktopServices.openUrl(url)
-            return
-        action, _, index = url.path().partition("/")
-        try:
-            i = int(index)
-        except ValueError:
-            return
-        if action == "copy":
-            self.copy(i)
-        elif action == "edit":
-            self.edit(i)
-        elif action == "regen":
-            self.regenerate()
-        elif action == "reasoning" and 0 <= i < len(self.messages):
-            self.expanded ^= {self.messages[i].id}
-            self.render()
+        return transcript_html(self.messages, self.streaming, self.expanded, theme.transcript_theme(), self.copied)

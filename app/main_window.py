@@ -1,11 +1,14 @@
 """The main window: conversations on the left; Chat, Monitor, Server and Logs tabs; a status bar that says what
-serves where. Closing it hides it in the tray (the API keeps answering) or, with no tray, asks before quitting."""
+serves where; File ▸ Export / Import conversation (Markdown or JSON). Closing it hides it in the tray (the API keeps
+answering) or, with no tray, asks before quitting. Its size is remembered between runs."""
 from __future__ import annotations
 
-from PySide6.QtGui import QAction, QActionGroup, QKeySequence
-from PySide6.QtWidgets import QLabel, QMainWindow, QSplitter, QTabWidget, QWidget
+from pathlib import Path
 
-from app import theme
+from PySide6.QtGui import QAction, QActionGroup, QKeySequence
+from PySide6.QtWidgets import QFileDialog, QLabel, QMainWindow, QMessageBox, QSplitter, QTabWidget, QWidget
+
+from app import chat_io, theme
 from app.asyncutil import spawn
 from app.chat import ChatPanel
 from app.conversations import ConversationList
@@ -69,6 +72,9 @@ class MainWindow(QMainWindow):
         file = bar.addMenu("&File")
         new = file.addAction("New chat", self.new_chat)
         new.setShortcut(QKeySequence.StandardKey.New)
+        file.addAction("Import conversation…", lambda: self.import_conversation())
+        self.export_action = file.addAction("Export conversation…", lambda: self.export_conversation())
+        file.addSeparator()
         file.addAction("Change model or settings…", lambda: spawn(c.back_to_launcher()))
         file.addSeparator()
         quit_action = file.addAction("Quit", lambda: spawn(c.quit()))
@@ -91,6 +97,56 @@ class MainWindow(QMainWindow):
         self.conversations.list.clearSelection()
         self.conversations.list.setCurrentItem(None)
         self.chat.input.setFocus()
+
+    def export_conversation(self, path: str | None = None) -> str | None:
+        """Saves the conversation shown as Markdown (.md) or JSON (.json); returns what went wrong, or None."""
+        chat = self.chat
+        if chat.conversation is None:
+            return self._say("Nothing to export yet: send a message first, or pick a conversation.")
+        if path is None:
+            name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in chat.conversation.title).strip()
+            path, _ = QFileDialog.getSaveFileName(self, "Export conversation", str(Path.home() / f"{name or 'chat'}.md"),
+                                                  "Markdown (*.md);;JSON, to import again (*.json)")
+            if not path:
+                return None
+        conv, messages = chat.conversation, chat.messages
+        text = chat_io.to_json(conv, messages) if path.lower().endswith(".json") else chat_io.to_markdown(conv, messages)
+        try:
+            Path(path).write_text(text, encoding="utf-8")
+        except OSError as e:
+            return self._say(f"Could not write {path}: {e.strerror or e}. Pick another folder.")
+        self.statusBar().showMessage(f"Exported to {path}", 5000)
+        return None
+
+    def import_conversation(self, path: str | None = None) -> str | None:
+        """Adds a conversation from a JSON file (exported here, or OpenAI-style messages) and opens it."""
+        if path is None:
+            path, _ = QFileDialog.getOpenFileName(self, "Import conversation", str(Path.home()),
+                                                  "Conversations (*.json);;All files (*)")
+            if not path:
+                return None
+        try:
+            title, system, options, messages = chat_io.from_json(Path(path).read_text(encoding="utf-8"))
+        except OSError as e:
+            return self._say(f"Could not read {path}: {e.strerror or e}.")
+        except chat_io.ConversationFileError as e:
+            return self._say(f"Could not import {Path(path).name}: {e}")
+        store = self.controller.store
+        conv = store.create(title, system)
+        store.set_options(conv.id, options)
+        for m in messages:
+            store.append(conv.id, m)
+        self.conversations.search.clear()
+        self.conversations.refresh(conv.id)
+        self.chat.open(conv.id)
+        self.statusBar().showMessage(f"Imported “{title}” ({len(messages)} messages)", 5000)
+        return None
+
+    def _say(self, error: str) -> str:
+        self.statusBar().showMessage(error, 10000)
+        if self.isVisible() and not self.controller.quitting and getattr(self, "ask", True):
+            QMessageBox.warning(self, "NInfer", error)
+        return error
 
     def refresh(self) -> None:
         """The controller's state changed: status bar, labels, menus."""

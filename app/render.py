@@ -88,8 +88,16 @@ def highlight(code: str, lang: str, theme: dict[str, str]) -> str:
     return "".join(out)
 
 
-def code_block(code: str, lang: str, theme: dict[str, str]) -> str:
-    label = f'<div style="color:{theme["muted"]};font-size:small">{html.escape(lang)}</div>' if lang else ""
+def code_block(code: str, lang: str, theme: dict[str, str], copy_href: str | None = None,
+               copied: bool = False) -> str:
+    """A highlighted block; with ``copy_href`` its header has a Copy link ("Copied ✓" right after a copy)."""
+    copy = ""
+    if copy_href:
+        copy = (f'<span style="color:{theme["muted"]}">Copied ✓</span>' if copied else
+                f'<a href="{html.escape(copy_href, quote=True)}" style="color:{theme["accent"]};'
+                f'text-decoration:none">Copy code</a>')
+    head = html.escape(lang) + ("&nbsp;&nbsp;·&nbsp;&nbsp;" if lang and copy else "") + copy
+    label = f'<div style="color:{theme["muted"]};font-size:small">{head}</div>' if head else ""
     return (f'<table width="100%" cellspacing="0" cellpadding="8" style="margin:6px 0" bgcolor="{theme["code_bg"]}">'
             f'<tr><td style="border:1px solid {theme["code_border"]}">{label}<pre style="margin:0;'
             f'white-space:pre-wrap;font-family:monospace">{highlight(code.rstrip(chr(10)), lang, theme)}</pre></td></tr></table>')
@@ -134,13 +142,31 @@ _BULLET = re.compile(r"^\s*[-*+]\s+(.*)$")
 _NUMBERED = re.compile(r"^\s*(\d+)[.)]\s+(.*)$")
 
 
-def markdown(text: str, theme: dict[str, str]) -> str:
-    """Markdown-ish ``text`` -> HTML for QTextBrowser."""
+def code_blocks(text: str) -> list[str]:
+    """The fenced code blocks of ``text``, in order (what each block's Copy link copies)."""
+    blocks, lines, i = [], text.replace("\r\n", "\n").split("\n"), 0
+    while i < len(lines):
+        fence = _FENCE.match(lines[i])
+        i += 1
+        if fence:
+            body = []
+            while i < len(lines) and not lines[i].strip().startswith(fence.group(1)):
+                body.append(lines[i])
+                i += 1
+            blocks.append("\n".join(body).rstrip("\n"))
+            i += 1
+    return blocks
+
+
+def markdown(text: str, theme: dict[str, str], code_link: str | None = None, copied: int | None = None) -> str:
+    """Markdown-ish ``text`` -> HTML for QTextBrowser. With ``code_link`` each code block links
+    ``{code_link}/{block number}`` to copy it; block ``copied`` says it was just copied."""
     out: list[str] = []
     para: list[str] = []
     list_kind: str | None = None
     lines = text.replace("\r\n", "\n").split("\n")
     i = 0
+    blocks = 0
 
     def flush_para():
         if para:
@@ -165,7 +191,9 @@ def markdown(text: str, theme: dict[str, str]) -> str:
             while i < len(lines) and not lines[i].strip().startswith(marker):
                 body.append(lines[i])
                 i += 1
-            out.append(code_block("\n".join(body), lang, theme))
+            href = f"{code_link}/{blocks}" if code_link else None
+            out.append(code_block("\n".join(body), lang, theme, href, copied == blocks))
+            blocks += 1
             i += 1  # the closing fence (or past the end while streaming)
             continue
         if not line.strip():

@@ -1,6 +1,7 @@
 """Conversations on disk (Qt-free): SQLite under the user's data dir.
 
-A conversation has a title, a system prompt and ordered messages; a message keeps its role, content, reasoning, tool
+A conversation has a title, a system prompt, its own sampling options (temperature, top-p, top-k, max tokens; unset
+ones follow the server's mode) and ordered messages; a message keeps its role, content, reasoning, tool
 calls and the numbers measured while it streamed (tokens, TTFT, tok/s). Writes commit at once, so a crash loses at
 most the message being streamed.
 """
@@ -62,6 +63,7 @@ class Conversation:
     system_prompt: str = ""
     created: float = 0.0
     updated: float = 0.0
+    options: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, max_tokens
 
 
 class ConversationStore:
@@ -72,6 +74,9 @@ class ConversationStore:
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA foreign_keys = ON")
         self.db.executescript(SCHEMA)
+        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(conversations)")}
+        if "options" not in columns:  # a database from an earlier version
+            self.db.execute("ALTER TABLE conversations ADD COLUMN options TEXT NOT NULL DEFAULT '{}'")
         self.db.commit()
 
     def close(self) -> None:
@@ -86,7 +91,12 @@ class ConversationStore:
         return Conversation(cur.lastrowid, title, system_prompt, now, now)
 
     def _conv(self, row) -> Conversation:
-        return Conversation(row["id"], row["title"], row["system_prompt"], row["created"], row["updated"])
+        try:
+            options = json.loads(row["options"] or "{}")
+        except ValueError:
+            options = {}
+        return Conversation(row["id"], row["title"], row["system_prompt"], row["created"], row["updated"],
+                            options if isinstance(options, dict) else {})
 
     def get(self, conversation_id: int) -> Conversation | None:
         row = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
@@ -111,6 +121,11 @@ class ConversationStore:
 
     def set_system_prompt(self, conversation_id: int, text: str) -> None:
         self.db.execute("UPDATE conversations SET system_prompt=? WHERE id=?", (text, conversation_id))
+        self.db.commit()
+
+    def set_options(self, conversation_id: int, options: dict[str, Any]) -> None:
+        self.db.execute("UPDATE conversations SET options=? WHERE id=?",
+                        (json.dumps({k: v for k, v in options.items() if v is not None}), conversation_id))
         self.db.commit()
 
     def delete(self, conversation_id: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import html
 
-from app import render
+from app import render, versions
 from app.store import Message
 
 
@@ -23,9 +23,11 @@ def sampling_text(sampling: dict | None) -> str:
     return " · ".join(parts)
 
 
-def transcript_html(messages: list[Message], streaming: Message | None, expanded: set[int], t: dict) -> str:
+def transcript_html(messages: list[Message], streaming: Message | None, expanded: set[int], t: dict,
+                    copied: tuple[int, int | None] | None = None) -> str:
     """``streaming``: the answer being written (shown with a cursor, without actions); ``expanded``: ids of the
-    messages whose reasoning is shown; ``t``: the transcript colours (render.LIGHT / render.DARK)."""
+    messages whose reasoning is shown; ``t``: the transcript colours (render.LIGHT / render.DARK); ``copied``:
+    (message index, code block or None for the whole message) just copied, said in place of its Copy link."""
     if not messages:
         tip = ("Ask anything. Answers stream from the model through its OpenAI-compatible API; the same API "
                "serves your editor or agent (see the Server tab).")
@@ -35,24 +37,39 @@ def transcript_html(messages: list[Message], streaming: Message | None, expanded
     out = [f'<div style="color:{t["text"]}">']
     for i, m in enumerate(messages):
         out.append(message_html(i, m, t, last_assistant=i == last_assistant, streaming=m is streaming,
-                                expanded=m.id in expanded))
+                                expanded=m.id in expanded, copied=copied[1] if copied and copied[0] == i else -1))
     out.append("</div>")
     return "".join(out)
 
 
-def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming: bool, expanded: bool) -> str:
+def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming: bool, expanded: bool,
+                 copied: int | None = -1) -> str:
     """One message as a table: who, its stats, reasoning (collapsed unless ``expanded``), tool calls, the text and
-    its actions (links the chat view handles: ninfer:copy/N, edit/N, regen/N, reasoning/N)."""
+    its actions (links the chat view handles: ninfer:copy/N, copycode/N/B, edit/N, regen/N, reasoning/N,
+    version/N/K). ``copied``: None when the message was just copied, B when its code block B was, else -1."""
     link = f'style="color:{t["accent"]};text-decoration:none"'
+    copy = (f'<span style="color:{t["muted"]}">Copied ✓</span>' if copied is None
+            else f'<a href="ninfer:copy/{i}" {link}>Copy</a>')
     if m.role == "user":
         bg, who = t["user_bg"], "You"
-        actions = [f'<a href="ninfer:copy/{i}" {link}>Copy</a>', f'<a href="ninfer:edit/{i}" {link}>Edit</a>']
+        actions = [copy, f'<a href="ninfer:edit/{i}" {link}>Edit</a>']
     else:
         bg, who = t["assistant_bg"], "Assistant"
-        actions = [f'<a href="ninfer:copy/{i}" {link}>Copy</a>']
+        actions = [copy]
         if last_assistant and not streaming:
             actions.append(f'<a href="ninfer:regen/{i}" {link}>Regenerate</a>')
+        n = versions.count(m)
+        if n > 1 and not streaming:
+            k = m.stats.get("version", n - 1)
+            prev = f'<a href="ninfer:version/{i}/{k - 1}" {link}>‹</a>' if k > 0 else "‹"
+            after = f'<a href="ninfer:version/{i}/{k + 1}" {link}>›</a>' if k < n - 1 else "›"
+            actions.append(f"{prev}&nbsp;version {k + 1} of {n}&nbsp;{after}")
     body = []
+    if m.stats.get("left_out"):
+        n = m.stats["left_out"]
+        body.append(f'<p style="color:{t["muted"]};font-size:small">⚠ The {n} oldest message{"s" if n > 1 else ""} '
+                    f'of this conversation {"were" if n > 1 else "was"} left out of this answer\'s prompt to fit the '
+                    f'model\'s context.</p>')
     if m.reasoning:
         shown = expanded
         arrow = "▾" if shown else "▸"
@@ -67,7 +84,7 @@ def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming
     if streaming:
         body.append(render.markdown(m.content + "▍", t))  # the cursor follows the text, even inside code
     elif m.content:
-        body.append(render.markdown(m.content, t))
+        body.append(render.markdown(m.content, t, f"ninfer:copycode/{i}", copied if copied != -1 else None))
     if m.stats.get("error"):
         body.append(f'<p style="color:{t["error"]}">⚠ {html.escape(m.stats["error"])}</p>')
     stats = render.stats_text(m.stats) if m.role == "assistant" and not streaming else ""

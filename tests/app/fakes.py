@@ -66,11 +66,11 @@ class FakeClient:
     """An ApiClient whose settings are a dict the test changes, and whose chat streams ``words`` slowly."""
 
     def __init__(self, settings: dict | None = None, words=("Hello", " there", "."), delay: float = 0.05,
-                 prompt_tokens: int = 20):
+                 chars_per_token: float = 4.0):
         self.data = settings
         self.words = list(words)
         self.delay = delay
-        self.prompt_tokens = prompt_tokens
+        self.chars_per_token = chars_per_token  # how the stand-in counts prompt tokens
         self.requests: list[dict] = []
         self.endpoint = SimpleNamespace(base_url="http://fake", api_url="http://fake/v1", api_key=None)
 
@@ -90,4 +90,6 @@ class FakeClient:
             await asyncio.sleep(self.delay)
             yield ChatEvent("content", word)
         yield ChatEvent("finish", "stop")
-        yield ChatEvent("usage", data={"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.words)})
+        chars = sum(len(m.get("content") or "") for m in messages)
+        yield ChatEvent("usage", data={"prompt_tokens": int(chars / self.chars_per_token) + 4 * len(messages),
+                                       "completion_tokens": len(self.words)})

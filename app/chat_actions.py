@@ -1,0 +1,73 @@
+"""What the chat transcript's links do, as a part of ChatPanel: copy a message or one of its code blocks (saying
+"Copied ✓" in place for a moment), edit a message to send it again, flip through an answer's versions, show or hide
+its reasoning, regenerate."""
+from __future__ import annotations
+
+from PySide6.QtCore import QUrl
+from PySide6.QtGui import QDesktopServices, QGuiApplication
+
+from app import render, versions
+
+
+class TranscriptActions:
+    """Expects ChatPanel's messages, busy, store, input, edit_bar, expanded, copied, _copied_timer, render() and
+    regenerate()."""
+
+    def show_version(self, index: int, k: int) -> None:
+        if not self.busy and 0 <= index < len(self.messages) and versions.show(self.messages[index], k):
+            self.store.update(self.messages[index])
+            self.render()
+
+    def edit(self, index: int) -> None:
+        if self.busy or not (0 <= index < len(self.messages)) or self.messages[index].role != "user":
+            return
+        self.editing = index
+        self.input.setPlainText(self.messages[index].content)
+        self.input.setFocus()
+        self.edit_bar.setVisible(True)
+
+    def cancel_edit(self) -> None:
+        self.editing = None
+        self.edit_bar.setVisible(False)
+
+    def copy(self, index: int, block: int | None = None) -> None:
+        """Copies a message (or its code block ``block``) and says so in its place for a moment."""
+        if not 0 <= index < len(self.messages):
+            return
+        text = self.messages[index].content
+        if block is not None:
+            blocks = render.code_blocks(text)
+            if not 0 <= block < len(blocks):
+                return
+            text = blocks[block]
+        QGuiApplication.clipboard().setText(text)
+        self.copied = (index, block)
+        self._copied_timer.start()
+        self.render()
+
+    def _copied_done(self) -> None:
+        self.copied = None
+        self.render()
+
+    def _link(self, url: QUrl) -> None:
+        if url.scheme() != "ninfer":
+            QDesktopServices.openUrl(url)
+            return
+        action, *numbers = url.path().split("/")
+        try:
+            i, *more = [int(n) for n in numbers]
+        except ValueError:
+            return
+        if action == "copy":
+            self.copy(i)
+        elif action == "copycode" and more:
+            self.copy(i, more[0])
+        elif action == "version" and more:
+            self.show_version(i, more[0])
+        elif action == "edit":
+            self.edit(i)
+        elif action == "regen":
+            self.regenerate()
+        elif action == "reasoning" and 0 <= i < len(self.messages):
+            self.expanded ^= {self.messages[i].id}
+            self.render()

@@ -1,0 +1,128 @@
+"""Under the chat's input: the context bar (the conversation's tokens against the model's context window) and the
+text files attached to the next message (their text goes into the prompt and counts against the context)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
+
+from app import context
+
+MAX_ATTACHMENT_BYTES = 2_000_000
+
+
+def read_text_file(path: str) -> str:
+    """The text of a file to attach; ValueError says why it cannot be (too big, not text)."""
+    p = Path(path)
+    size = p.stat().st_size
+    if size > MAX_ATTACHMENT_BYTES:
+        raise ValueError(f"{p.name} is {size / 1e6:.1f} MB; attach a text file under {MAX_ATTACHMENT_BYTES / 1e6:.0f} "
+                         f"MB (or paste the part that matters).")
+    data = p.read_bytes()
+    if b"\0" in data[:4096]:
+        raise ValueError(f"{p.name} is not a text file; attach text (code, notes, CSV, Markdown…).")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("latin-1")
+
+
+class ContextBar(QWidget):
+    """``chat`` gives controller (context_window()), max_tokens, chars_per_token."""
+
+    changed = Signal()  # attachments changed
+
+    def __init__(self, chat, parent=None):
+        super().__init__(parent)
+        self.chat = chat
+        self.attachments: list[tuple[str, str]] = []  # (file name, text)
+        self.ask_file = lambda: QFileDialog.getOpenFileName(self, "Attach a text file", str(Path.home()))[0]
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        self.attach_button = QPushButton("Attach file…")
+        self.attach_button.setToolTip("Put a text file's contents into the next message")
+        self.attach_button.clicked.connect(self.attach)
+        layout.addWidget(self.attach_button)
+        self.files = QLabel()
+        self.files.setObjectName("Muted")
+        self.files.setWordWrap(True)
+        layout.addWidget(self.files, 1)
+        self.clear_button = QPushButton("Remove")
+        self.clear_button.setToolTip("Remove the attached files")
+        self.clear_button.clicked.connect(self.clear_attachments)
+        self.clear_button.setVisible(False)
+        layout.addWidget(self.clear_button)
+        self.bar = QProgressBar()
+        self.bar.setMaximumWidth(260)
+        self.bar.setMinimumWidth(120)
+        self.bar.setToolTip("The conversation's tokens (estimated until the server counts them) of the model's "
+                            "context window. When it is full, the oldest turns are left out, and the chat says so.")
+        layout.addWidget(self.bar)
+        self.used = 0
+
+    @property
+    def window(self) -> int | None:
+        getter = getattr(self.chat.controller, "context_window", None)
+        return getter() if getter is not None else None
+
+    # ---- attachments ---------------------------------------------------------------------------------------------
+    def attach(self, path: str | None = None) -> str | None:
+        """Attaches a text file; returns what went wrong (also shown), or None."""
+        path = path or self.ask_file()
+        if not path:
+            return None
+        try:
+            text = read_text_file(path)
+        except (OSError, ValueError) as e:
+            self.chat.notice.setText(f"⚠ Cannot attach: {e}")
+            self.chat.notice.setVisible(True)
+            return str(e)
+        self.attachments.append((Path(path).name, text))
+        self._show_files()
+        return None
+
+    def clear_attachments(self) -> None:
+        self.attachments.clear()
+        self._show_files()
+
+    def _show_files(self) -> None:
+        self.files.setText("📎 " + ", ".join(f"{name} (~{context.estimate_tokens(text, self.chat.chars_per_token):,}"
+                                            f" tokens)" for name, text in self.attachments) if self.attachments else "")
+        self.clear_button.setVisible(bool(self.attachments))
+        self.changed.emit()
+
+    def with_attachments(self, text: str) -> str:
+        parts = [text] + [f"**{name}**\n```\n{body.rstrip()}\n```" for name, body in self.attachments]
+        return "\n\n".join(p for p in parts if p)
+
+    def too_long(self, text: str) -> str | None:
+        """Why ``text`` cannot be sent as the next message (it alone outgrows the context), or None."""
+        window = self.window
+        if not window:
+            return None
+        system = self.chat.system_prompt.toPlainText().strip()
+        alone = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        fit = context.fit(alone, window, self.chat.max_tokens, self.chat.chars_per_token)
+        if fit.fits:
+            return None
+        room = window - context.answer_reserve(window, self.chat.max_tokens)
+        what = "This message with its attachments" if self.attachments else "This message"
+        return (f"⚠ {what} is about {fit.tokens:,} tokens, but the model's context holds {window:,} tokens with "
+                f"{window - room:,} kept for the answer. Shorten it or attach less, or start the model with a longer "
+                f"context (Change model or settings… › Context length).")
+
+    # ---- the bar -------------------------------------------------------------------------------------------------
+    def show_usage(self, messages: list[dict]) -> None:
+        window = self.window
+        tokens = sum(context.message_tokens(m, self.chat.chars_per_token) for m in messages)
+        self.used = tokens
+        if not window:
+            self.bar.setRange(0, 1)
+            self.bar.setValue(0)
+            self.bar.setFormat(f"~{tokens:,} tokens (context size unknown)")
+            return
+        self.bar.setRange(0, window)
+        self.bar.setValue(min(tokens, window))
+        self.bar.setFormat(f"~{tokens:,} / {window:,} tokens" + (" · full: oldest turns left out"
+                                                                 if tokens > window else ""))
