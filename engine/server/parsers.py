@@ -22,7 +22,7 @@ from engine.server.toolcalls import (ParsedOutput, StreamEvent, ToolCall, ToolCa
 __all__ = ["ParsedOutput", "ReasoningSplitter", "StreamEvent", "ToolCall", "ToolCallStreamer", "new_call_id",
            "parse_tool_calls", "required_tool", "split_reasoning", "tool_names_for", "validate_tools"]
 
-TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
 
 
@@ -81,7 +81,7 @@ def validate_tools(tools: Any, tool_choice: Any = None) -> list[str]:
             continue
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
-            problems.append(f"{where}.function.name must be 1 to 64 letters, digits, '_' or '-' (got {name!r})")
+            problems.append(f"{where}.function.name must be 1 to 128 letters, digits, '_' or '-' (got {name!r})")
         elif name in names:
             problems.append(f"{where}.function.name {name!r} is used by more than one tool")
         else:

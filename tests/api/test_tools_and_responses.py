@@ -161,8 +161,9 @@ def test_responses_rejects_what_it_cannot_do(client):
         client.responses.create(model="scripted", input="x", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="scripted", input="x", tools=[{"type": "web_search"}])
-    assert e.value.body["param"] == "tools[0].type"
+        client.responses.create(model="scripted", input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}])
+    assert e.value.body["param"] == "input[0].content[0]" and "no vision" in e.value.body["message"]
 
 
 def test_engine_failure_mid_stream_sends_an_error_chunk_then_done(scripted, client):

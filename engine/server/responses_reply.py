@@ -1,0 +1,162 @@
+"""The answer of POST /v1/responses: a `response` object, or its server-sent events. Items are streamed one after
+another (the one in progress is done before the next starts): reasoning (`response.reasoning_text.delta/done`),
+a message (`response.content_part.added`, `response.output_text.delta/done`, `response.content_part.done`), and
+one item per tool call: `function_call` (`response.function_call_arguments.delta/done`), `custom_tool_call`
+(`response.custom_tool_call_input.delta/done`) or `local_shell_call`, each between
+`response.output_item.added` and `response.output_item.done`. The stream ends with `response.completed`,
+`response.incomplete` (the token budget ran out) or `response.failed`."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import aclosing
+
+from engine.server.errors import APIError
+from engine.server.generation import Choice, run_choices
+from engine.server.responses_input import ResponseTools
+
+_ITEM_PREFIX = {"function_call": "fc", "custom_tool_call": "ctc", "local_shell_call": "lsh"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseReply:
+    def __init__(self, req, streams, choice: Choice, prompt_tokens: int, tools: ResponseTools):
+        self.req, self.streams, self.choice, self.tools = req, streams, choice, tools
+        self.id = new_id("resp")
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.usage = {"completion_tokens": {0: 0}, "cached_tokens": {0: 0}}
+        self.output: list[dict] = []
+        self.status, self.incomplete = "in_progress", None
+        self.seq = 0
+        self._open: dict | None = None  # the reasoning or message item being streamed
+
+    def response(self) -> dict:
+        out_tokens, cached = self.usage["completion_tokens"][0], self.usage["cached_tokens"][0]
+        req = self.req
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
+            "model": req.model, "output": self.output, "error": None, "incomplete_details": self.incomplete,
+            "instructions": req.instructions, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
+            "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
+            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
+            "text": req.text or {"format": {"type": "text"}}, "store": False,
+            "omitted_tools": self.tools.omitted,
+            "usage": {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+                      "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                      "total_tokens": self.prompt_tokens + out_tokens},
+        }
+
+    def _event(self, kind: str, **body) -> str:
+        body = {"type": kind, "sequence_number": self.seq, **body}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def _add(self, item: dict):
+        self.output.append(item)
+        yield self._event("response.output_item.added", output_index=len(self.output) - 1, item=json.loads(
+            json.dumps(item)))
+
+    def _done(self, item: dict):
+        item["status"] = "completed"
+        yield self._event("response.output_item.done", output_index=self.output.index(item), item=item)
+
+    def _close(self):
+        item, self._open = self._open, None
+        if item is None:
+            return
+        idx = self.output.index(item)
+        if item["type"] == "reasoning":
+            yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                              text=item["content"][0]["text"])
+        else:
+            part = item["content"][0]
+            yield self._event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                              text=part["text"])
+            yield self._event("response.content_part.done", item_id=item["id"], output_index=idx, content_index=0,
+                              part=part)
+        yield from self._done(item)
+
+    def _text(self, kind: str, text: str):
+        item = self._open
+        if item is None or item["type"] != kind:
+            yield from self._close()
+            if kind == "reasoning":
+                item = {"type": "reasoning", "id": new_id("rs"), "summary": [],
+                        "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+                yield from self._add(item)
+            else:
+                item = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant",
+                        "content": []}
+                yield from self._add(item)
+                part = {"type": "output_text", "text": "", "annotations": []}
+                item["content"].append(part)
+                yield self._event("response.content_part.added", item_id=item["id"], output_index=len(self.output)
+                                  - 1, content_index=0, part=dict(part))
+            self._open = item
+        item["content"][0]["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        yield self._event(name, item_id=item["id"], output_index=len(self.output) - 1, content_index=0, delta=text)
+
+    def _call(self, call_id: str, name: str, arguments: str):
+        yield from self._close()
+        done = self.tools.output_item(call_id, name, arguments, "")
+        done["id"] = new_id(_ITEM_PREFIX[done["type"]])
+        start = {**done, "status": "in_progress"}
+        if done["type"] == "function_call":
+            start["arguments"] = ""
+        elif done["type"] == "custom_tool_call":
+            start["input"] = ""
+        self.output.append(done)
+        idx = len(self.output) - 1
+        yield self._event("response.output_item.added", output_index=idx, item=start)
+        if done["type"] == "function_call":
+            yield self._event("response.function_call_arguments.delta", item_id=done["id"], output_index=idx,
+                              delta=arguments)
+            yield self._event("response.function_call_arguments.done", item_id=done["id"], output_index=idx,
+                              arguments=arguments)
+        elif done["type"] == "custom_tool_call":
+            yield self._event("response.custom_tool_call_input.delta", item_id=done["id"], output_index=idx,
+                              delta=done["input"])
+            yield self._event("response.custom_tool_call_input.done", item_id=done["id"], output_index=idx,
+                              input=done["input"])
+        yield from self._done(done)
+
+    async def sse(self):
+        yield self._event("response.created", response=self.response())
+        yield self._event("response.in_progress", response=self.response())
+        async with aclosing(run_choices(self.streams, [self.choice], self.usage)) as events:
+            async for ev in events:
+                if ev.error:
+                    self.status = "failed"
+                    yield self._event("error", code="engine_error", message=ev.error, param=None)
+                    break
+                for kind, text in (("reasoning", ev.reasoning), ("message", ev.content)):
+                    if text:
+                        for chunk in self._text(kind, text):
+                            yield chunk
+                for _, call_id, name, arguments in ev.tool_calls:
+                    for chunk in self._call(call_id, name, arguments):
+                        yield chunk
+                if ev.finish:
+                    self.status = "incomplete" if ev.finish == "length" else "completed"
+                    self.incomplete = {"reason": "max_output_tokens"} if ev.finish == "length" else None
+        for chunk in self._close():
+            yield chunk
+        if self.status == "failed":
+            yield self._event("response.failed", response=self.response())
+        else:
+            self.status = "completed" if self.status == "in_progress" else self.status
+            yield self._event("response.completed" if self.status == "completed" else "response.incomplete",
+                              response=self.response())
+
+    async def whole(self) -> dict:
+        async for _ in self.sse():
+            pass
+        if self.status == "failed":
+            raise APIError(500, "The engine failed while generating the response.", code="engine_error")
+        return self.response()
