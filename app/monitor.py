@@ -1,10 +1,12 @@
 """The monitor: decode speed, KV pages (GPU, and the host tier when the engine has one), retrieved pages, prefix
-reuse, speculative decoding's acceptance, requests and VRAM; curves over the last two minutes, about once a second.
+reuse, speculative decoding's acceptance, requests, VRAM (or, without an NVIDIA GPU, the RAM NInfer uses) and CPU;
+curves over the last two minutes, about once a second. Each plot names its curves in its title (a legend inside
+would cover them at small sizes), and the KV plot's zero sits above the axis so an empty pool still shows its line.
 
 For the embedded engine it reads ``LocalService.stats()`` (a dict, no HTTP); for a remote server it reads that
 server's ``/metrics`` (NInfer, vLLM or llama.cpp names) and says so when it offers nothing usable. VRAM comes from
-NVML; without an NVIDIA driver the panel says "no NVIDIA GPU". The numbers and texts are computed Qt-free in
-app/monitor_model.py.
+NVML; without an NVIDIA driver the card says "no NVIDIA GPU" once, and shows RAM. The numbers and texts are computed
+Qt-free in app/monitor_model.py.
 """
 from __future__ import annotations
 
@@ -12,13 +14,12 @@ import time
 from collections import deque
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QColor
+from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from app import theme
 from app.asyncutil import spawn
-from app.monitor_model import Rates, VramReader, cards, local_values
+from app.monitor_model import HostReader, Rates, VramReader, cards, local_values
 
 HISTORY = 120  # samples (seconds)
 INTERVAL_MS = 1000
@@ -30,7 +31,7 @@ class _Stat(QFrame):
         self.setObjectName("Card")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 8, 12, 8)
-        t = QLabel(title)
+        t = self.title = QLabel(title)
         t.setObjectName("Muted")
         self.value = QLabel("—")
         self.value.setStyleSheet("font-size: 16pt; font-weight: 700;")
@@ -49,16 +50,17 @@ class _Stat(QFrame):
 class MonitorPanel(QWidget):
     updated = Signal(dict)
 
-    def __init__(self, controller, parent=None):
+    def __init__(self, controller, parent=None, vram: VramReader | None = None):
         super().__init__(parent)
         self.controller = controller
-        self.vram = VramReader()
+        self.vram = vram or VramReader()
+        self.host = HostReader()
         self.updates = 0
         self.last: dict = {}
         self._inflight = False
         self.t0 = time.monotonic()
         self.series = {k: deque(maxlen=HISTORY) for k in ("decode_tps", "pages_used", "pages_free", "host_pages_used",
-                                                          "vram_used")}
+                                                          "vram_used", "ram_used")}
         self.times: deque = deque(maxlen=HISTORY)
         self.rates = Rates()
         self._build()
@@ -91,31 +93,32 @@ class MonitorPanel(QWidget):
         self.stat_prefix = _Stat("Prefix cache hits")
         self.stat_spec = _Stat("Speculative decoding")
         self.stat_req = _Stat("Requests")
-        self.stat_vram = _Stat("VRAM")
+        gpu = self.vram.handle is not None
+        self.stat_vram = _Stat("VRAM" if gpu else "RAM")
+        self.stat_cpu = _Stat("CPU")
+        if not gpu:
+            self.stat_vram.setToolTip(self.vram.detail)
         self.stat_cards = {"decode": self.stat_tps, "kv": self.stat_kv, "prefix": self.stat_prefix,
-                           "spec": self.stat_spec, "requests": self.stat_req, "vram": self.stat_vram}
+                           "spec": self.stat_spec, "requests": self.stat_req, "vram": self.stat_vram,
+                           "cpu": self.stat_cpu}
         for i, w in enumerate(self.stat_cards.values()):
-            stats.addWidget(w, i // 3, i % 3)
+            stats.addWidget(w, i // 4, i % 4)
         layout.addLayout(stats)
 
         grid = QGridLayout()
-        self.plot_tps = self._plot("Decode tokens/s (last 5 s)")
-        self.plot_kv = self._plot("KV pages")
-        self.plot_vram = self._plot("VRAM used (MiB)")
-        self.curve_tps = self.plot_tps.plot(pen=pg.mkPen(c["series1"], width=2), name="tok/s")
-        self.curve_used = self.plot_kv.plot(pen=pg.mkPen(c["series1"], width=2), name="used")
-        self.curve_free = self.plot_kv.plot(pen=pg.mkPen(c["series2"], width=2), name="free")
+        self.memory_key = "vram_used" if gpu else "ram_used"
+        self.titles = {}  # plot -> (title, [(colour key, curve name)])
+        self.plot_tps = self._plot("Decode tokens/s (last 5 s)", [("series1", "tok/s")])
+        self.plot_kv = self._plot("KV pages", [("series1", "used"), ("series2", "free")])
+        self.plot_vram = self._plot("VRAM used (MiB)" if gpu else "RAM used by NInfer (MiB)", [("series3", "used")])
+        self.curve_tps = self.plot_tps.plot(pen=pg.mkPen(c["series1"], width=2))
+        self.curve_used = self.plot_kv.plot(pen=pg.mkPen(c["series1"], width=2))
+        self.curve_free = self.plot_kv.plot(pen=pg.mkPen(c["series2"], width=2))
         self.curve_host = None  # "host used", added once the engine reports a host tier
-        self.curve_vram = self.plot_vram.plot(pen=pg.mkPen(c["series3"], width=2), name="used")
+        self.curve_vram = self.plot_vram.plot(pen=pg.mkPen(c["series3"], width=2))
         grid.addWidget(self.plot_tps, 0, 0)
         grid.addWidget(self.plot_kv, 0, 1)
         grid.addWidget(self.plot_vram, 1, 0, 1, 2)
-        self.vram_missing = QLabel(self.vram.note)
-        self.vram_missing.setAlignment(Qt.AlignmentFlag.AlignCenter)
-        self.vram_missing.setObjectName("Muted")
-        grid.addWidget(self.vram_missing, 1, 0, 1, 2)
-        self.plot_vram.setVisible(self.vram.handle is not None)
-        self.vram_missing.setVisible(self.vram.handle is None)
         layout.addLayout(grid, 1)
 
     def restyle(self) -> None:
@@ -126,28 +129,29 @@ class MonitorPanel(QWidget):
                 axis = plot.getAxis(side)
                 axis.setPen(pg.mkPen(c["plot_fg"]))
                 axis.setTextPen(pg.mkPen(c["plot_fg"]))
-            plot.setTitle(plot.plotItem.titleLabel.text, size="10pt", color=c["plot_fg"])
-            legend = plot.plotItem.legend
-            if legend is not None:
-                legend.setBrush(pg.mkBrush(QColor(c["plot_bg"])))
-                legend.setLabelTextColor(c["plot_fg"])
+            self._title(plot)
         for curve, key in ((self.curve_tps, "series1"), (self.curve_used, "series1"), (self.curve_free, "series2"),
                            (self.curve_vram, "series3"), (self.curve_host, "series5")):
             if curve is not None:
                 curve.setPen(pg.mkPen(c[key], width=2))
 
-    def _plot(self, title: str) -> pg.PlotWidget:
+    def _plot(self, title: str, names: list[tuple[str, str]]) -> pg.PlotWidget:
         w = pg.PlotWidget()
-        w.setTitle(title, size="10pt")
+        self.titles[w] = (title, names)
+        self._title(w)
         w.showGrid(x=True, y=True, alpha=0.15)
         w.setLabel("bottom", "seconds")
         w.setMouseEnabled(x=False, y=False)
         w.hideButtons()
-        w.setMinimumHeight(170)
-        c = theme.colors()
-        legend = w.addLegend(offset=(-10, 10), brush=pg.mkBrush(QColor(c["plot_bg"])), labelTextColor=c["plot_fg"])
-        legend.setZValue(10)  # above the curves
+        w.setMinimumHeight(120)
         return w
+
+    def _title(self, plot: pg.PlotWidget) -> None:
+        """The title with each curve's colour and name (instead of a legend over the curves)."""
+        c = theme.colors()
+        title, names = self.titles[plot]
+        keys = f"{title} " + " ".join(f'<span style="color:{c[key]}">■</span> {name}' for key, name in names)
+        plot.setTitle(keys, size="10pt", color=c["plot_fg"])
 
     # ---- reading -----------------------------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -184,6 +188,7 @@ class MonitorPanel(QWidget):
         vram = self.vram.read()
         if vram is not None:
             values["vram_used"], values["vram_total"] = vram
+        values.update(self.host.read())
         self.last = values
         self.updates += 1
         self.source.setText(source)
@@ -199,11 +204,12 @@ class MonitorPanel(QWidget):
         self.curve_used.setData(xs, list(self.series["pages_used"]), connect="finite")
         self.curve_free.setData(xs, list(self.series["pages_free"]), connect="finite")
         if self.curve_host is None and isinstance(values.get("host_pages_used"), (int, float)):
-            self.curve_host = self.plot_kv.plot(pen=pg.mkPen(theme.colors()["series5"], width=2), name="host used")
+            self.curve_host = self.plot_kv.plot(pen=pg.mkPen(theme.colors()["series5"], width=2))
+            self.titles[self.plot_kv][1].append(("series5", "host used"))
+            self._title(self.plot_kv)
         if self.curve_host is not None:
             self.curve_host.setData(xs, list(self.series["host_pages_used"]), connect="finite")
-        if vram is not None:
-            self.curve_vram.setData(xs, list(self.series["vram_used"]), connect="finite")
+        self.curve_vram.setData(xs, list(self.series[self.memory_key]), connect="finite")
         self._fit_ranges(values)
         self._numbers(values, available)
         self.updated.emit(values)
@@ -216,7 +222,8 @@ class MonitorPanel(QWidget):
         used, free = v.get("pages_used"), v.get("pages_free")
         if isinstance(used, (int, float)) and isinstance(free, (int, float)) and used + free > 0:
             host = v.get("host_pages_used") if isinstance(v.get("host_pages_used"), (int, float)) else 0
-            self.plot_kv.setYRange(0, max(used + free, host) * 1.35, padding=0)
+            top = max(used + free, host) * 1.15
+            self.plot_kv.setYRange(-0.04 * top, top, padding=0)  # zero just above the axis: an idle "used" shows
 
     def _numbers(self, v: dict, available: bool) -> None:
         for key, card in cards(v, available, self.vram.note, self.vram.name).items():

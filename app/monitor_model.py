@@ -74,7 +74,7 @@ def _is_num(*xs) -> bool:
 
 
 def cards(v: dict, available: bool = True, vram_note: str = "", vram_name: str = "") -> dict[str, Card]:
-    """The text of each card: decode, kv, prefix, spec, requests, vram."""
+    """The text of each card: decode, kv, prefix, spec, requests, vram (RAM without a GPU), cpu."""
     out: dict[str, Card] = {}
     details = []
     if v.get("decode_tps_avg"):
@@ -127,9 +127,48 @@ def cards(v: dict, available: bool = True, vram_note: str = "", vram_name: str =
                            + (f" · {v['requests']} HTTP requests" if v.get("requests") is not None else ""))
     if v.get("vram_total"):
         out["vram"] = Card(f"{v['vram_used']:,.0f} MiB", f"of {v['vram_total']:,.0f} MiB · {vram_name}")
+    elif _is_num(v.get("ram_used")):
+        system = (f" · this computer {v['ram_system_used'] / 1024:,.1f} of {v['ram_system_total'] / 1024:,.1f} GiB"
+                  if _is_num(v.get("ram_system_used"), v.get("ram_system_total")) else "")
+        out["vram"] = Card(f"{v['ram_used']:,.0f} MiB", "used by NInfer" + system
+                           + (f" · {vram_note}" if vram_note else ""))
     else:
         out["vram"] = Card("—", vram_note or "no NVIDIA GPU")
+    if _is_num(v.get("cpu_process")):
+        out["cpu"] = Card(f"{v['cpu_process']:.0f}%", "NInfer, of all cores"
+                          + (f" · this computer {v['cpu_system']:.0f}%" if _is_num(v.get("cpu_system")) else "")
+                          + (f" · {v['cpu_cores']} cores" if v.get("cpu_cores") else ""))
+    else:
+        out["cpu"] = Card("—", "not measured")
     return out
+
+
+class HostReader:
+    """This computer's RAM and CPU use, and the app's own (psutil): what the monitor shows beside or instead of VRAM."""
+
+    def __init__(self):
+        try:
+            import psutil
+            self._psutil = psutil
+            self._process = psutil.Process()
+            self._process.cpu_percent(None)  # the first reading starts the interval
+            psutil.cpu_percent(None)
+        except Exception:  # psutil missing or the process not readable: the cards say "not measured"
+            self._psutil = None
+
+    def read(self) -> dict:
+        ps = self._psutil
+        if ps is None:
+            return {}
+        try:
+            mem = ps.virtual_memory()
+            cores = ps.cpu_count() or 1
+            return {"ram_used": self._process.memory_info().rss / 2**20, "ram_system_used": (mem.total - mem.available)
+                    / 2**20, "ram_system_total": mem.total / 2**20,
+                    "cpu_process": self._process.cpu_percent(None) / cores, "cpu_system": ps.cpu_percent(None),
+                    "cpu_cores": cores}
+        except Exception:
+            return {}
 
 
 class VramReader:
@@ -139,6 +178,7 @@ class VramReader:
         self.handle = None
         self.name = ""
         self.note = ""
+        self.detail = ""
         try:
             import pynvml
             pynvml.nvmlInit()
@@ -150,7 +190,10 @@ class VramReader:
             self.name = name.decode() if isinstance(name, bytes) else str(name)
             self._nvml = pynvml
         except Exception as e:  # ImportError, NVMLError (no driver, no GPU)
-            self.note = f"no NVIDIA GPU ({str(e) or type(e).__name__})"
+            reason = str(e) or type(e).__name__
+            self.detail = reason  # for the tooltip and the log, not the card
+            self.note = ("no NVIDIA GPU (no NVIDIA driver found)" if "Library Not Found" in reason or
+                         isinstance(e, ImportError) else "no NVIDIA GPU found")
 
     def read(self) -> tuple[float, float] | None:
         if self.handle is None:

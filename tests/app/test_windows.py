@@ -1,0 +1,76 @@
+"""The windows at 800 x 600 (a laptop tiling two windows) and the monitor on a machine without an NVIDIA GPU."""
+from __future__ import annotations
+
+import pytest
+from PySide6.QtWidgets import QLabel, QPushButton
+
+from tests.app.conftest import make_controller, run, wait_until
+from tests.app.fakes import FakeClient, FakeService
+
+
+def clipped(root) -> list[str]:
+    """Visible labels and buttons narrower than their text needs (text cut off)."""
+    out = []
+    for widget in root.findChildren(QLabel) + root.findChildren(QPushButton):
+        if not widget.isVisibleTo(root) or not widget.text() or (isinstance(widget, QLabel) and widget.wordWrap()):
+            continue
+        if widget.width() < widget.minimumSizeHint().width() - 1:
+            out.append(f"{type(widget).__name__} {widget.text()[:40]!r}: {widget.width()} < "
+                       f"{widget.minimumSizeHint().width()}")
+    return out
+
+
+@pytest.fixture
+def serving(qapp, qloop, app_home, request):
+    controller = make_controller(app_home, request.node.name)
+    service = FakeService()
+    controller.service = service
+    controller.client, controller.model_id = FakeClient({"mode": "chat", "sampling": {"temperature": 0.7}}), "fake"
+    run(controller.refresh_mode())
+    controller.show_main()
+    yield controller, controller.window
+    controller.quitting = True
+    controller.client = None
+    controller.window.hide()
+    controller.launcher.hide()
+    service.stop()
+
+
+def test_the_main_window_fits_800x600(serving):
+    controller, window = serving
+    window.resize(800, 600)
+    wait_until(lambda: (window.width(), window.height()) == (800, 600), 3000)
+    assert window.minimumSizeHint().width() <= 800 and window.minimumSizeHint().height() <= 600
+    for tab in (window.chat, window.monitor, window.server, window.logs):
+        window.tabs.setCurrentWidget(tab)
+        wait_until(lambda: tab.isVisible(), 2000)
+        assert (window.width(), window.height()) == (800, 600), tab
+        assert not clipped(window), (type(tab).__name__, clipped(window))
+
+
+def test_the_monitor_without_a_gpu_shows_ram_and_cpu(serving):
+    from app.monitor import MonitorPanel
+    from app.monitor_model import VramReader
+
+    controller, window = serving
+    no_gpu = VramReader.__new__(VramReader)  # what VramReader leaves on a machine without the NVIDIA driver
+    no_gpu.handle, no_gpu.name, no_gpu.note = None, "", "no NVIDIA GPU (no NVIDIA driver found)"
+    no_gpu.detail = "NVML Shared Library Not Found"
+    panel = MonitorPanel(controller, vram=no_gpu)
+    panel.timer.stop()
+    try:
+        panel.resize(700, 520)
+        panel.show()
+        for _ in range(3):
+            panel.tick()
+        assert panel.stat_vram.title.text() == "RAM" and panel.stat_vram.value.text().endswith(" MiB")
+        assert "used by NInfer" in panel.stat_vram.detail.text() and "GiB" in panel.stat_vram.detail.text()
+        assert panel.stat_cpu.value.text().endswith("%") and "cores" in panel.stat_cpu.detail.text()
+        texts = " ".join(label.text() for label in panel.findChildren(QLabel))
+        assert "NVML" not in texts and "Library Not Found" not in texts  # the raw error is only in a tooltip
+        assert texts.count("no NVIDIA GPU") == 1  # said once
+        assert panel.plot_vram.isVisible() and "RAM used" in panel.plot_vram.plotItem.titleLabel.text
+        assert all(x == x for x in panel.series["ram_used"])  # a real curve, not gaps
+        assert panel.plot_kv.plotItem.legend is None and panel.plot_kv.getViewBox().viewRange()[1][0] < 0
+    finally:
+        panel.close()
