@@ -109,6 +109,9 @@ class LauncherWindow(PresetsMixin, QWidget):
         model_row = QHBoxLayout()
         self.model_combo = QComboBox()
         self.model_combo.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        # a long model path must not widen the window
+        self.model_combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.model_combo.setMinimumContentsLength(16)
         self.model_combo.setToolTip("The model to serve: the embedded default, a GGUF file or a Hugging Face folder "
                                     "(config.json + *.safetensors). Paths in any language work.")
         self.model_combo.currentIndexChanged.connect(self._model_changed)
@@ -123,6 +126,8 @@ class LauncherWindow(PresetsMixin, QWidget):
         preset_row = QHBoxLayout()
         self.preset_combo = QComboBox()
         self.preset_combo.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        self.preset_combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+        self.preset_combo.setMinimumContentsLength(12)
         self.preset_combo.setToolTip("A preset fills the settings below; your changes go on top of it.")
         self.preset_combo.activated.connect(self._preset_picked)
         preset_row.addWidget(self.preset_combo, 1)

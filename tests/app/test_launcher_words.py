@@ -147,10 +147,21 @@ def clipped(window) -> list[str]:
     return out
 
 
-def test_the_launcher_fits_800x600(launcher):
-    w = launcher
-    w.resize(800, 600)
-    wait_until(lambda: w.width() == 800 and w.height() == 600, 3000)
-    assert w.minimumSizeHint().width() <= 800 and w.minimumSizeHint().height() <= 600
-    assert not clipped(w), clipped(w)
-    w.resize(1100, 760)
+def test_the_launcher_fits_800x600(qapp, qloop, app_home, tmp_path):
+    from app.appconfig import AppConfig
+    folder = tmp_path / "Downloads" / "models from the hub" / "bartowski" / "Qwen2.5-Coder-14B-Instruct-GGUF"
+    folder.mkdir(parents=True)
+    model = folder / "Qwen2.5-Coder-14B-Instruct-Q4_K_M-imatrix-calibrated.gguf"
+    model.write_bytes(b"GGUF")
+    AppConfig(app_home / "wide.json").add_recent_model(str(model))  # a long path in the list, after a download
+    controller = make_controller(app_home, "wide")  # the next start
+    controller.start_local = Recorder()
+    w = controller.launcher
+    try:
+        w.show()
+        w.resize(800, 600)
+        wait_until(lambda: w.width() == 800 and w.height() == 600, 3000)
+        assert w.minimumSizeHint().width() <= 800 and w.minimumSizeHint().height() <= 600
+        assert not clipped(w), clipped(w)
+    finally:
+        w.hide()

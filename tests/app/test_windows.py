@@ -25,7 +25,10 @@ def serving(qapp, qloop, app_home, request):
     controller = make_controller(app_home, request.node.name)
     service = FakeService()
     controller.service = service
-    controller.client, controller.model_id = FakeClient({"mode": "chat", "sampling": {"temperature": 0.7}}), "fake"
+    sampling = {"temperature": 0.7, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "presence_penalty": 0.0,
+                "frequency_penalty": 0.0}  # what the engine reports in chat mode
+    controller.client, controller.model_id = FakeClient({"mode": "chat", "sampling": sampling}), \
+        "smollm2-135m-instruct"
     run(controller.refresh_mode())
     controller.show_main()
     yield controller, controller.window
