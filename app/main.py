@@ -1,6 +1,6 @@
 """``ninfer``: the desktop app.
 
-    ninfer                                   opens the launcher with the last configuration
+    ninfer                                   reopens the last model that worked (the launcher shows the loading)
     ninfer --model PATH --preset NAME --start   starts serving without a click (the launcher shows the progress)
     ninfer --port 9000 --max-context 4096    any ninfer-serve setting flag fills the launcher's form
     ninfer --remote http://host:8080/v1      chats with another OpenAI-compatible server
@@ -124,15 +124,31 @@ def run_app(args: argparse.Namespace, values: dict[str, Any]) -> int:
     return 0
 
 
+def reopen_last_good(config: Any) -> bool:
+    """Start the last configuration that worked without a click: there is one, the last session ended cleanly, the
+    last start did not fail, and the user has not turned it off."""
+    return bool(config.last_good) and not config.crashed and not config.last_failure \
+        and config.get("reopen_last_model", True) is not False
+
+
 def open_windows(args: argparse.Namespace, values: dict[str, Any], controller: Any) -> Any:
     """Shows the launcher with the command line's model, preset and settings; with --start it starts serving as soon
     as the checks pass, with --remote it connects the chat to that server. Returns the controller."""
     from app.asyncutil import spawn
 
     launcher = controller.launcher
+    config = controller.config
     if args.model or args.preset or values:
         launcher.apply_config({"model": args.model, "preset": args.preset, "values": values})
-    launcher.auto_start = args.start and not args.remote
+        launcher.auto_start = args.start and not args.remote
+    elif reopen_last_good(config) and not args.remote:
+        # straight back into the chat with the model that worked last time; the launcher shows the loading and
+        # stays one click away (Cancel, or File > Change model or settings…)
+        launcher.apply_config(config.last_good)
+        launcher.notice = "Reopening the last model that worked"
+        launcher.auto_start = True
+    else:
+        launcher.auto_start = args.start and not args.remote
     launcher.show()
     if args.remote:
         async def connect():

@@ -165,3 +165,33 @@ def test_the_launcher_fits_800x600(qapp, qloop, app_home, tmp_path):
         assert not clipped(w), clipped(w)
     finally:
         w.hide()
+
+
+def test_reopens_into_the_last_model_that_worked(qapp, qloop, app_home):
+    from app.appconfig import AppConfig, launch_config
+    from app.main import open_windows, parse
+    good = launch_config(None, "cpu-default", {"max_context": 1536})
+    config = AppConfig(app_home / "reopen.json")
+    config.remember_start(good)
+    config.remember_good(good)
+    config.close_session()  # a clean quit last time
+    handed: list = []
+    controller = make_controller(app_home, "reopen")
+    controller.start_local = lambda settings, cfg: handed.append(cfg)
+    try:
+        args, values, _ = parse([])  # plain `ninfer`
+        open_windows(args, values, controller)
+        w = controller.launcher
+        assert w.auto_start and w.preset.name == "cpu-default" and w.form.values()["max_context"] == 1536
+        wait_until(lambda: handed, TIMEOUT)  # started without a click
+        assert handed[0] == good
+    finally:
+        controller.launcher.hide()
+    config.remember_start(good)  # ... and this time it crashed: the launcher waits for the user
+    again = make_controller(app_home, "reopen")
+    again.start_local = lambda settings, cfg: handed.append(cfg)
+    try:
+        open_windows(*parse([])[:2], again)
+        assert not again.launcher.auto_start and "did not shut down" in again.launcher.banner.text()
+    finally:
+        again.launcher.hide()
