@@ -12,12 +12,12 @@ import torch
 
 from engine.engine import Engine
 from engine.errors import NInferError
-from engine.kv.cache import PAGE_SIZE
-from engine.kv.quant import QUANT_KV_DTYPES
+from engine.memory.geometry import PAGE_SIZE, state_slots, state_snapshots
 from engine.ledger import MIB, Ledger, ModelShape, build_ledger
 from engine.model.config import ModelConfig
-from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS, native_format
-from engine.model.llama import LlamaModel
+from engine.model.formats import pick_dtype, pick_kv_dtype, weight_format
+from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS
+from engine.model.registry import build_model
 from engine.model.loader import load_weights
 from engine.model.weights import Progress
 from engine.runner import ModelRunner
@@ -25,9 +25,6 @@ from engine.spec.factory import make_speculator
 from engine.spec.mtp import is_mtp_tensor
 
 log = logging.getLogger("ninfer.build")
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclass
 class LoadedEngine:
@@ -46,29 +43,8 @@ class LoadedEngine:
         return self.engine.context_tokens
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
-def weight_format(name: str, weights) -> str:
-    """The low-bit format of the linear weights ("" = dense): auto keeps what a GGUF file stores (Q4_0/Q4_1 -> int4,
-    Q8_0 -> int8, TQ2_0 -> ternary) and runs other files dense."""
-    if name == "auto":
-        return native_format(weights.tensors) or ""
-    return name if name in LOW_BIT else ""
-
-
-def pick_kv_dtype(name: str, device: torch.device) -> torch.dtype | str:
-    """The KV cache's format: auto = fp32 on the CPU, bf16 on CUDA (as the weights); a float name as its torch
-    dtype; the quantized formats (k8v8, k8v4, k4v4, rk4v4) only when asked for, as their name."""
-    if name in QUANT_KV_DTYPES:
-        return name
-    return pick_dtype(name, device)
-
-
-def size_kv(cfg: ModelConfig, device: torch.device, context: int, auto_context: bool, **settings) -> Ledger:
+def size_kv(cfg: ModelConfig, device: torch.device, context: int, auto_context: bool, cache_specs: list | None = None,
+            **settings) -> Ledger:
     """The KV pools from the memory ledger (engine/ledger), on the memory free now that the weights are loaded: the
     GPU pool's pages (kv_capacity auto: what all sequences want, or what fits), the host tier's pages and the reach
     of one sequence. With the context left to the model (auto_context) a pool that cannot hold the model's whole
@@ -76,7 +52,7 @@ def size_kv(cfg: ModelConfig, device: torch.device, context: int, auto_context: 
     that does not fit, naming the ledger line at fault and the remedy."""
     vram_mib = torch.cuda.mem_get_info(device)[0] // MIB if device.type == "cuda" else 0
     ram_mib = psutil.virtual_memory().available // MIB
-    shape = ModelShape.from_config(cfg)
+    shape = ModelShape.from_config(cfg, cache_specs=cache_specs)
     ledger = build_ledger(shape, vram_mib=vram_mib, ram_mib=ram_mib, include_weights=False, max_context=context,
                           **settings)
     if auto_context and ledger.gpu_pages and ledger.reach_tokens < context \
@@ -149,18 +125,18 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
     fmt = weight_format(weight_dtype, weights)
     wdtype = pick_dtype("auto" if fmt or weight_dtype == "auto" else weight_dtype, dev)
     kdtype = pick_kv_dtype(kv_dtype, dev)
-    net = LlamaModel(weights, wdtype, dev, fmt, keep_native=weight_dtype == "auto")
+    net = build_model(weights, wdtype, dev, fmt, keep_native=weight_dtype == "auto")
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights
     if max_context > cfg.max_position:
         raise NInferError(f"--max-context {max_context} is beyond this model's trained context of "
                           f"{cfg.max_position} tokens.", f"Use --max-context {cfg.max_position} or less (0 = the model's).")
-    ledger = size_kv(cfg, dev, max_context or cfg.max_position, not max_context, kv_dtype=kv_dtype,
+    ledger = size_kv(cfg, dev, max_context or cfg.max_position, not max_context, net.cache_specs, kv_dtype=kv_dtype,
                      kv_capacity=kv_capacity, kv_headroom_mib=kv_headroom_mib, host_kv_mib=host_kv_mib,
                      max_concurrency=max_concurrency, kv_window=kv_window, kv_retrieve=kv_retrieve, kv_ring=kv_ring,
                      kv_reuse_hostbacked=kv_reuse_hostbacked, spec=spec, draft_tokens=draft_tokens,
-                     draft_model=draft_model, prefill_chunk=prefill_chunk)
+                     draft_model=draft_model, prefill_chunk=prefill_chunk, max_shared_prefixes=max_shared_prefixes)
     context, pages, host_pages = ledger.max_context, ledger.gpu_pages, ledger.host_pages
     log.info("KV: %d pages of %s (%s), %d host pages, context %d tokens", pages, ledger.kv_dtype,
              "auto" if ledger.kv_auto else "--kv-capacity", host_pages, context)
@@ -168,8 +144,10 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
         raise NInferError(f"--host-kv-mib {host_kv_mib} holds no KV page of this model "
                           f"({ledger.page_bytes / 2**20:.2f} MiB a page).",
                           f"Raise --host-kv-mib to at least {-(-ledger.page_bytes // 2**20)}.")
+    snapshots = state_snapshots(max_concurrency, max_shared_prefixes != 0)  # recurrent layers' state (the ledger's)
     runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not host_pageable,
-                         prefill_cublas=prefill_cublas, cuda_graphs=cuda_graphs)
+                         prefill_cublas=prefill_cublas, cuda_graphs=cuda_graphs,
+                         state_slots=state_slots(max_concurrency, spec not in ("none", ""), snapshots))
     if prefill_cublas:
         log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s", PREFILL_DENSE_ROWS,
                  "" if fmt else " (the weights are dense: nothing to do)")
@@ -183,5 +161,5 @@ def build_engine(model: str | Path | None = None, *, device: str = "auto", weigh
                     eos_ids=tokenizer.eos_token_ids, max_queue=max_queue, max_shared_prefixes=max_shared_prefixes,
                     kv_window=kv_window, kv_retrieve=kv_retrieve, kv_ring=kv_ring,
                     allow_lossy_window=allow_lossy_window, kv_reuse_hostbacked=kv_reuse_hostbacked,
-                    speculator=speculator)
+                    speculator=speculator, state_snapshots=snapshots)
     return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0, ledger)

@@ -14,6 +14,9 @@ from engine.constrain import ConstraintError
 from engine.errors import NInferError
 from engine.kv.prefix import PrefixCache, resolve_max_shared_prefixes
 from engine.kv.window import host_backed_prefixes, plan_tiers, tier_stats
+from engine.memory.attention import AttentionMemory
+from engine.memory.manager import MemoryManager
+from engine.memory.state import StateMemory
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token
 from engine.scheduler import Scheduler
@@ -42,7 +45,10 @@ class Engine:
     def __init__(self, runner: ModelRunner, *, max_concurrency: int, prefill_chunk: int, max_context: int,
                  eos_ids: frozenset[int] = frozenset(), max_queue: int = 64, max_shared_prefixes: int | str = 0,
                  speculator: Speculator | None = None, kv_window: int = 0, kv_retrieve: int = 0,
-                 kv_ring: str = "auto", allow_lossy_window: bool = False, kv_reuse_hostbacked: bool = False):
+                 kv_ring: str = "auto", allow_lossy_window: bool = False, kv_reuse_hostbacked: bool = False,
+                 state_snapshots: int = 0):
+        """`state_snapshots`: recurrent-state snapshots kept for prefix reuse (models with recurrent layers;
+        engine/memory/state.py)."""
         self.runner = runner
         self.pool = runner.pool
         # cached prompt prefixes, shared by later requests (0: none; build_engine and the server default to auto);
@@ -53,9 +59,14 @@ class Engine:
         self.tiers, self.kv_reach, self._reach_what = plan_tiers(
             runner, window=kv_window, retrieve=kv_retrieve, ring=kv_ring, chunk=prefill_chunk,
             allow_lossy=allow_lossy_window, speculative=getattr(speculator, "needs_hidden", False))
-        self.scheduler = Scheduler(self.pool, max_concurrency, prefill_chunk, self.prefix, self.tiers,
-                                   host_backed_prefixes(runner, self.prefix, kv_reuse_hostbacked),
-                                   kv=getattr(runner, "kv", None))  # partial prefix pages are copied in it
+        attention = AttentionMemory(self.pool, self.prefix, self.tiers,
+                                    host_backed_prefixes(runner, self.prefix, kv_reuse_hostbacked),
+                                    kv=getattr(runner, "kv", None))  # partial prefix pages are copied in it
+        state = None
+        if getattr(runner, "state", None) is not None:  # the model has recurrent layers
+            state = StateMemory(runner.state, self.pool.page_size, state_snapshots if self.prefix is not None else 0)
+        self.memory = MemoryManager(attention, state)
+        self.scheduler = Scheduler(self.memory, max_concurrency, prefill_chunk)
         self.max_context = max_context
         self.eos_ids = eos_ids
         self.speculator = speculator  # speculative decoding (engine.spec), or None
@@ -124,7 +135,7 @@ class Engine:
         # pages_free counts idle cached pages too (any allocation may evict them); pages_cached is that part
         return dict(self.counters, running=len(s.running), waiting=len(s.waiting), preemptions=s.preemptions,
                     pages_total=self.pool.num_pages, pages_free=self.pool.num_free, page_size=self.pool.page_size,
-                    pages_cached=self.pool.num_cached, **s.prefix_stats(), **tier_stats(self.runner, self.tiers, s),
+                    pages_cached=self.pool.num_cached, **self.memory.stats(), **tier_stats(self.runner, self.tiers, s),
                     **(self.speculator.stats() if self.speculator is not None else {}))
 
     def step(self) -> bool:
@@ -182,15 +193,16 @@ class Engine:
         drafts, started = {}, time.perf_counter()
         if self.speculator is not None:
             decoding = [seq for seq, n in plan if n == 1 and seq.num_computed == len(seq.tokens) - 1]
-            drafts = self.speculator.draft(decoding, self.pool)
+            drafts = self.speculator.draft(decoding, self.memory)
         works = []
         for seq, n in plan:
             start = seq.num_computed
             if seq.request_id in drafts:
-                works.append(Work([seq.tokens[-1], *drafts[seq.request_id]], start, seq.pages, "all"))
-                continue
-            done = start + n == len(seq.tokens)
-            works.append(Work(seq.tokens[start:start + n], start, seq.pages, "last" if done else None))
+                tokens, logits = [seq.tokens[-1], *drafts[seq.request_id]], "all"
+            else:
+                tokens, logits = seq.tokens[start:start + n], "last" if start + n == len(seq.tokens) else None
+            self.memory.before_step(seq, start, len(tokens), verify=seq.request_id in drafts)
+            works.append(Work(tokens, start, seq.pages, logits, seq.memory.state))
         t0 = time.perf_counter()
         logits = self.runner.run(works)
         seconds = time.perf_counter() - t0
@@ -248,7 +260,7 @@ class Engine:
             if seq.finish_reason:
                 break
         if draft:
-            self.speculator.verified(seq, len(draft), len(emitted) - 1, self.pool)
+            self.speculator.verified(seq, len(draft), len(emitted) - 1, self.memory)
         if first:
             for callback in self.on_first_token:
                 callback(seq.first_token_at - seq.arrival)

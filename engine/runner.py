@@ -8,37 +8,49 @@ import torch
 from engine.kv.cache import KVCache
 from engine.kv.host import HostPool
 from engine.kv.pages import PagePool
-from engine.kv.window import TieredPages
-from engine.model.batch import ForwardBatch, SeqSlice
+from engine.kv.table import PageTable
+from engine.memory.geometry import PAGE_SIZE
+from engine.memory.state import SeqState, StatePool
+from engine.model.batch import ForwardBatch
 from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs
 from engine.model.linear import PREFILL_DENSE_ROWS, enable_dense_prefill
 
 
 @dataclass
 class Work:
-    """Compute `tokens` of one sequence, which start at position `start`; its KV pages are `pages` (a page list, or
-    the TieredPages table of a windowed sequence)."""
+    """Compute `tokens` of one sequence, which start at position `start`; its KV pages are `pages` (its page
+    table, engine/kv/table.py), its recurrent state `state` (models with recurrent layers)."""
     tokens: list[int]
     start: int
-    pages: list[int]
+    pages: PageTable
     logits: str | None = "last"  # "last", "all" or None
+    state: SeqState | None = None
 
 
 class ModelRunner:
-    def __init__(self, model, num_pages: int, kv_dtype: torch.dtype, page_size: int = 64, host_pages: int = 0,
+    def __init__(self, model, num_pages: int, kv_dtype: torch.dtype, page_size: int = PAGE_SIZE, host_pages: int = 0,
                  host_pinned: bool = True, prefill_cublas: bool = False, cuda_graphs: str = "off",
-                 static_decode: bool = False):
+                 static_decode: bool = False, state_slots: int = 0):
         """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA;
         `prefill_cublas`: low-bit layers run chunks of PREFILL_DENSE_ROWS+ rows as dense matmuls (linear.DenseScratch);
         `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); `static_decode`:
-        without graphs, run decode steps through the same static forward, called directly (the CPU tests)."""
-        cfg = model.cfg
+        without graphs, run decode steps through the same static forward, called directly (the CPU tests);
+        `state_slots`: recurrent-state slots (engine/memory/state.py), for a model with recurrent layers.
+
+        The model's `cache_specs` (engine/memory/specs.py, one per layer) size the pools: the KV cache holds the
+        attention layers (indexed by their ordinal among them), the state pool the recurrent ones."""
         self.model = model
         self.device = model.device
+        specs = model.cache_specs
+        attention = [s for s in specs if s.kind == "attention"]
+        recurrent = [s for s in specs if s.kind == "recurrent"]
         capture = resolve_cuda_graphs(cuda_graphs, torch.device(model.device))
         static = capture or static_decode  # one more KV page: the scratch page of the static batches' dummy rows
-        self.kv = KVCache(cfg.num_layers, num_pages + static, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
-                          model.device, page_size)
+        self.kv = KVCache(len(attention), num_pages + static, attention[0].num_kv_heads, attention[0].head_dim,
+                          kv_dtype, model.device, page_size)
+        if recurrent and state_slots < 1:
+            raise ValueError("a model with recurrent layers needs state_slots >= 1")
+        self.state = StatePool(recurrent, state_slots, torch.device(model.device)) if recurrent else None
         self.pool = PagePool(num_pages, page_size)
         self.page_size = page_size
         self.host = HostPool(self.kv, host_pages, host_pinned) if host_pages else None
@@ -57,16 +69,12 @@ class ModelRunner:
             pos = list(range(w.start, ctx))
             ids.extend(w.tokens)
             positions.extend(pos)
-            if isinstance(w.pages, TieredPages):
-                w.pages.prepare(self.kv, w.start, n)
-                slots.extend(w.pages.slot(p) for p in pos)
-                seqs.append(SeqSlice(q_start, n, ctx, None, w.pages))
-            else:
-                slots.extend(w.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
-                held = w.pages[: -(-ctx // self.page_size)]
-                pages = torch.tensor(held, dtype=torch.long, device=self.device)
-                run = held[-1] - held[0] == len(held) - 1 and held == list(range(held[0], held[-1] + 1))
-                seqs.append(SeqSlice(q_start, n, ctx, pages, first_page=held[0] if run else None))
+            w.pages.bind(self.kv, w.start, n)
+            slots.extend(w.pages.slots(w.start, n))
+            s = w.pages.seq_slice(q_start, n, ctx, self.device)
+            if w.state is not None:
+                s.state, s.saves = w.state.slot, tuple(w.state.saves)
+            seqs.append(s)
             if w.logits == "all":
                 row_spans.append((len(rows), n))
                 rows.extend(range(q_start, q_start + n))
@@ -81,7 +89,7 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),
             slots=torch.tensor(slots, dtype=torch.long, device=dev),
-            seqs=seqs, kv=self.kv,
+            seqs=seqs, kv=self.kv, state=self.state,
             logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
             max_position=max(positions),
         )

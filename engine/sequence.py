@@ -1,4 +1,4 @@
-"""One request inside the engine: its tokens, its KV pages, and what it has produced."""
+"""One request inside the engine: its tokens, its memory (KV pages, recurrent state), and what it has produced."""
 from __future__ import annotations
 
 import enum
@@ -8,6 +8,8 @@ from typing import Callable
 
 import torch
 
+from engine.kv.table import PageTable
+from engine.memory.manager import SequenceMemory
 from engine.sampling import SamplingParams
 
 
@@ -49,7 +51,7 @@ class Sequence:
     eos_ids: frozenset[int] = frozenset()
     output: list[int] = field(default_factory=list)
     tokens: list[int] = field(init=False)
-    pages: list[int] = field(default_factory=list)
+    memory: SequenceMemory = field(default_factory=SequenceMemory)  # its KV page table and recurrent state
     num_computed: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
@@ -61,6 +63,15 @@ class Sequence:
     def __post_init__(self):
         self.tokens = list(self.prompt)
         self.generator = self.params.make_generator()
+
+    @property
+    def pages(self) -> PageTable:
+        """Its attention page table (engine/kv/table.py)."""
+        return self.memory.pages
+
+    @pages.setter
+    def pages(self, table: PageTable) -> None:
+        self.memory.pages = table
 
     @property
     def to_compute(self) -> int:

@@ -8,9 +8,8 @@ import torch
 
 from engine.kv import quant
 from engine.kv.quant import kv_format
+from engine.memory.geometry import PAGE_SIZE
 from kernels import dispatch
-
-PAGE_SIZE = 64
 
 
 class KVCache:
@@ -41,15 +40,7 @@ class KVCache:
         # caches addressed by the same page ids (an MTP module's own layer): copy_pages copies their pages too
         self.followers: list[KVCache] = []
 
-    # ---- sizes ------------------------------------------------------------------------------------------------
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> int:
-        """KV bytes one token takes over all layers, codes and scales included (the same layout __init__ allocates)."""
-        fmt = kv_format(dtype)
-        per_head = sum(n * torch.empty(0, dtype=dt).element_size()
-                       for part in (fmt.k, fmt.v) for _, n, dt in quant.part_layout(part, head_dim))
-        return num_layers * num_kv_heads * per_head
-
+    # ---- sizes (engine.memory.geometry.KV_LAYOUTS states them before anything is allocated) -----------------
     @property
     def page_bytes(self) -> int:
         """Bytes of one page over all layers, counted from the allocated tensors."""

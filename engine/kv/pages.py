@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 from typing import Protocol
 
+from engine.kv.table import PageList
+
 
 class PageCache(Protocol):
     """What the pool asks of a prefix cache (engine.kv.prefix.PrefixCache)."""
@@ -65,8 +67,9 @@ class PagePool:
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= self.num_free
 
-    def allocate(self, num_pages: int) -> list[int]:
-        """Fresh pages (count 1): free ones first, then idle cached pages, least recently used first."""
+    def allocate(self, num_pages: int) -> "PageList":
+        """Fresh pages (count 1): free ones first, then idle cached pages, least recently used first; as a plain page
+        table (engine.kv.table.PageList)."""
         if num_pages > self.num_free:
             raise MemoryError(f"asked for {num_pages} KV pages, {self.num_free} free")
         pages = []
@@ -75,7 +78,7 @@ class PagePool:
             assert self._refs[page] == 0, f"page {page} handed out while held"
             self._refs[page] = 1
             pages.append(page)
-        return pages
+        return PageList(pages, self.page_size)
 
     def share(self, pages: list[int]) -> None:
         """Another holder for pages that are cached (held or idle): counts +1, idle ones stop being evictable."""
@@ -99,27 +102,3 @@ class PagePool:
         """A page the cache stopped keeping while no one holds it: free again."""
         assert self._refs[page] == 0
         heapq.heappush(self._free, page)
-
-    def grow_to(self, pages: list[int], num_tokens: int) -> bool:
-        """Extends a sequence's page list to hold num_tokens; False (and no change) when the pool is short.
-        A windowed sequence's table (engine.kv.window.TieredPages, `fixed_footprint`) already holds every GPU page
-        any step needs: nothing to do."""
-        if getattr(pages, "fixed_footprint", False):
-            return True
-        missing = self.pages_for(num_tokens) - len(pages)
-        if missing <= 0:
-            return True
-        if not self.can_allocate(missing):
-            return False
-        pages.extend(self.allocate(missing))
-        return True
-
-    def shrink_to(self, pages: list[int], num_tokens: int) -> None:
-        """Drops the pages past those holding num_tokens (a sequence that gave back tokens, e.g. rejected drafts).
-        A windowed sequence keeps its fixed footprint: tokens past its length are simply overwritten later."""
-        if getattr(pages, "fixed_footprint", False):
-            return
-        keep = self.pages_for(num_tokens)
-        if keep < len(pages):
-            self.deallocate(pages[keep:])
-            del pages[keep:]

@@ -22,47 +22,17 @@ tokens (a prefill chunk, a verification step) sees sink and retrieved pages whol
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
 import torch
 
 from engine.kv.cache import KVCache
 from engine.kv.host import HostPool
-from engine.kv.hostprefix import copy_to_gpu
+from engine.errors import NInferError
+from engine.kv.hostprefix import HostPrefixStore, copy_to_gpu
 from engine.kv.summary import select_pages
+from engine.memory.geometry import WindowSpec, tier_problems
+from engine.model.batch import SeqSlice
 
 log = logging.getLogger("ninfer.kvmem")
-
-
-@dataclass(frozen=True)
-class WindowSpec:
-    window: int  # tokens of recent context kept on the GPU (a multiple of page_size)
-    retrieve: int  # tokens of older context brought back per layer and step (a multiple of page_size)
-    ring: str  # auto: window a sequence when it outgrows the window; on: from its start; off: never
-    chunk: int  # the most tokens one step computes for a sequence (the prefill chunk)
-    page_size: int = 64
-
-    @staticmethod
-    def round(tokens: int, page_size: int = 64) -> int:
-        return -(-tokens // page_size) * page_size
-
-    @property
-    def retrieve_pages(self) -> int:
-        return self.retrieve // self.page_size
-
-    @property
-    def lossy(self) -> bool:
-        """Older context outside the window is never attended to again."""
-        return self.retrieve_pages == 0
-
-    @property
-    def footprint(self) -> int:
-        """GPU pages one windowed sequence owns: sink + window and step pages (+2 for unaligned edges) + staging."""
-        return 1 + -(-(self.window + self.chunk) // self.page_size) + 2 + self.retrieve_pages
-
-    def windowed(self, tokens: int) -> bool:
-        """Whether a sequence of `tokens` tokens (KV included for the next one) runs on the tiered path."""
-        return self.ring == "on" or (self.ring == "auto" and tokens > self.window)
 
 
 class TieredPages(list):
@@ -71,9 +41,10 @@ class TieredPages(list):
 
     A step may compute several tokens (a prefill chunk, or a speculative verification step) and a sequence may give
     tokens back (rejected drafts): only pages entirely below the computed length are ever written through, and the
-    slots past it are overwritten by later steps, so PagePool.grow_to / shrink_to leave the table alone."""
+    slots past it are overwritten by later steps, so grow and shrink leave the table alone. (The page-table
+    interface: engine.kv.table.PageTable.)"""
 
-    fixed_footprint = True
+    windowed = True
 
     def __init__(self, gpu_pages: list[int], spec: WindowSpec, host: HostPool, host_pages: list[int],
                  resident: dict[int, int] | None = None):
@@ -117,8 +88,22 @@ class TieredPages(list):
         copy_to_gpu(self.host, gpu, [s for s, _ in from_host], [d for _, d in from_host])
         return k * ps
 
+    # ---- the page-table interface (engine.kv.table.PageTable) ---------------------------------------------------
+    def grow(self, pool, num_tokens: int) -> bool:
+        return True  # its footprint holds every GPU page any step needs
+
+    def shrink(self, pool, num_tokens: int) -> None:
+        pass  # tokens past the sequence's length are simply overwritten later
+
+    def slots(self, start: int, n: int) -> list[int]:
+        ps = self.spec.page_size
+        return [self.resident[p // ps] * ps + p % ps for p in range(start, start + n)]
+
+    def seq_slice(self, q_start: int, n: int, ctx: int, device) -> SeqSlice:
+        return SeqSlice(q_start, n, ctx, None, self)
+
     # ---- before a step ----------------------------------------------------------------------------------------
-    def prepare(self, gpu: KVCache, start: int, n: int) -> None:
+    def bind(self, gpu: KVCache, start: int, n: int) -> None:
         """Makes tokens [start, start + n) writable and their window resident: writes the full pages before `start`
         through to the host, drops from the GPU the ones that left the window, maps the pages this step needs."""
         ps = self.spec.page_size
@@ -143,10 +128,6 @@ class TieredPages(list):
         # the candidates' host pages, as one tensor for every layer's selection in this step
         self._candidates = torch.tensor(self.host_pages[1:lo], dtype=torch.long, device=self.host.kmin.device) \
             if lo > 1 and self.spec.retrieve_pages else None
-
-    def slot(self, position: int) -> int:
-        ps = self.spec.page_size
-        return self.resident[position // ps] * ps + position % ps
 
     # ---- during a layer's attention ---------------------------------------------------------------------------
     def page_list(self, gpu: KVCache, layer: int, q: torch.Tensor, ctx: int) -> tuple[torch.Tensor, int, int]:
@@ -244,43 +225,31 @@ class Tiering:
         table.host_pages, table.host_spare = [], []
 
 
+def _refuse(p) -> None:
+    raise NInferError(p.message + ".", p.remedy[0].upper() + p.remedy[1:] + ".")
+
+
 def plan_tiers(runner, *, window: int, retrieve: int, ring: str, chunk: int, allow_lossy: bool,
                speculative: bool = False) -> tuple[Tiering | None, int, str]:
     """The tiers an engine runs with: (Tiering or None, the most tokens one sequence may hold, what limits it).
-    Raises NInferError for a combination that cannot work, naming the remedy."""
-    from engine.errors import NInferError
-
+    Raises NInferError for a combination that cannot work (engine.memory.geometry.tier_problems, on the pools the
+    runner has), naming the remedy."""
     pool = runner.pool
     ps, host = pool.page_size, getattr(runner, "host", None)
     gpu_reach = pool.num_pages * ps
+    problems = tier_problems(dict(
+        kv_window=window, kv_retrieve=retrieve, kv_ring=ring, host_kv_mib=int(host is not None and window > 0),
+        kv_capacity=gpu_reach, max_context=0, prefill_chunk=chunk, allow_lossy_window=allow_lossy,
+        kv_reuse_hostbacked=False, max_shared_prefixes=1, host_pageable=False, spec="mtp" if speculative else ""))
+    if problems:
+        _refuse(problems[0])
     if window <= 0:
-        if retrieve:
-            raise NInferError("--kv-retrieve brings older pages back into a window, but --kv-window is 0.",
-                              "Set --kv-window (e.g. 4096), or set --kv-retrieve 0.")
         return None, gpu_reach, "the KV cache capacity"
     window = WindowSpec.round(window, ps)
-    if speculative:  # MTP heads run their own cache over the target's page table, which a tiered table is not
-        raise NInferError(f"--spec mtp does not run on a windowed KV cache (--kv-window {window}).",
-                          "Use --spec ngram or --spec draft with a window, or --kv-window 0.")
     if ring == "off":
-        if retrieve:
-            raise NInferError(f"--kv-retrieve {retrieve} has nothing to bring back with --kv-ring off (the window "
-                              f"caps each sequence).", "Use --kv-ring auto with --host-kv-mib, or --kv-retrieve 0.")
         return None, min(window, gpu_reach), (f"the KV window (--kv-window {window} with --kv-ring off; "
                                               f"--kv-ring auto with --host-kv-mib runs longer contexts)")
-    if host is None:
-        raise NInferError(f"--kv-window {window} keeps older pages in host memory, but there is no host KV tier.",
-                          "Set --host-kv-mib (e.g. 4096), or --kv-ring off to cap each sequence at the window.")
     spec = WindowSpec(window, WindowSpec.round(retrieve, ps), ring, chunk, ps)
-    if spec.lossy and not allow_lossy:
-        raise NInferError(f"--kv-window {window} with --kv-retrieve 0 never attends to context older than the window "
-                          f"again: answers would silently miss it.",
-                          "Set --kv-retrieve (e.g. as large as the window), or pass --allow-lossy-window to accept it.")
-    if spec.footprint > pool.num_pages:
-        raise NInferError(f"A windowed sequence needs {spec.footprint} GPU KV pages (sink 1 + window and step "
-                          f"{spec.footprint - 1 - spec.retrieve_pages} + retrieved {spec.retrieve_pages}), but the "
-                          f"GPU pool has {pool.num_pages}.",
-                          "Raise --kv-capacity, or lower --kv-window, --kv-retrieve or --prefill-chunk.")
     if spec.lossy:
         log.warning("KV window %d tokens without retrieval (--allow-lossy-window): context older than the window "
                     "is dropped from attention (lossy)", window)
@@ -292,7 +261,7 @@ def plan_tiers(runner, *, window: int, retrieve: int, ring: str, chunk: int, all
 def tier_stats(runner, tiers: Tiering | None, scheduler) -> dict:
     """The KV-tier part of Engine.stats(): host pages, retrieval traffic, window and evictions."""
     host = getattr(runner, "host", None)
-    windowed = [seq.pages for seq in scheduler.running if isinstance(seq.pages, TieredPages)]
+    windowed = [seq.pages for seq in scheduler.running if seq.pages.windowed]
     spec = tiers.spec if tiers is not None else None
     out = dict(kv_host_pages_total=host.num_pages if host else 0,
                kv_host_pages_used=host.pool.num_used if host else 0,
@@ -309,21 +278,17 @@ def tier_stats(runner, tiers: Tiering | None, scheduler) -> dict:
 def host_backed_prefixes(runner, prefix, enabled: bool):
     """The host store of evicted prefix pages (--kv-reuse-hostbacked), attached to the GPU prefix cache; None when
     off. Raises NInferError when it cannot work."""
-    from engine.errors import NInferError
-    from engine.kv.hostprefix import HostPrefixStore
-
     host = getattr(runner, "host", None)
     if prefix is not None:
         prefix.backing = None
     if not enabled:
         return None
-    if host is None:
-        raise NInferError("--kv-reuse-hostbacked keeps evicted prefix pages in host memory, but there is no host KV "
-                          "tier.", "Set --host-kv-mib (e.g. 4096), or drop --kv-reuse-hostbacked.")
-    if prefix is None:
-        raise NInferError("--kv-reuse-hostbacked extends prefix reuse, but prefix reuse is off "
-                          "(--max-shared-prefixes 0).", "Set --max-shared-prefixes (or auto), or drop "
-                          "--kv-reuse-hostbacked.")
+    problems = tier_problems(dict(
+        kv_window=0, kv_retrieve=0, kv_ring="auto", host_kv_mib=int(host is not None), kv_capacity="auto",
+        max_context=0, prefill_chunk=0, allow_lossy_window=False, kv_reuse_hostbacked=True,
+        max_shared_prefixes=int(prefix is not None), host_pageable=False, spec=""))
+    if problems:
+        _refuse(problems[0])
     store = HostPrefixStore.for_host(host, runner.kv)
     prefix.backing = store
     return store

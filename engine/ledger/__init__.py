@@ -52,7 +52,7 @@ KV pool and host tier
 ---------------------
 ``kv_capacity auto`` = min(pages wanted, pages that fit). Wanted, per sequence: the whole max_context; with ring
 mode (a ``kv_window`` shorter than max_context, or ``kv_ring on``) the GPU pages one windowed sequence owns, exactly
-engine.kv.window.WindowSpec.footprint (engine.kv.settings.window_footprint): the sink page, the window and one
+engine.memory.geometry.WindowSpec.footprint: the sink page, the window and one
 prefill chunk (+2 pages for unaligned edges) and the staging pages ``kv_retrieve`` fetches back; with ``kv_ring off``
 the window; all x max_concurrency. What fits: the KV device's budget minus every other line on it (without a GPU, at
 most CPU_KV_RAM_FRACTION of RAM). The host tier holds host_kv_mib // page bytes pages. A windowed sequence writes
@@ -85,7 +85,7 @@ outputs is what nvidia-smi would show: the budget minus the allocated lines.
 from engine.ledger.common import (  # noqa: F401
     ACTIVATION_BYTES_PER_HIDDEN, CPU_KV_RAM_FRACTION, DEFAULT_DRAFT_TOKENS, DFLASH2_DRAFT_BYTES, GIB,
     HOST_RUNTIME_MIB, MIB, PAGE_SIZE, SYNTHETIC_NAMES, WEIGHT_BITS)
-from engine.ledger.layouts import KVLayout, KV_DTYPES, KV_LAYOUTS, resolve_kv_dtype  # noqa: F401
+from engine.memory.geometry import KVLayout, KV_DTYPES, KV_LAYOUTS, resolve_kv_dtype  # noqa: F401
 from engine.ledger.shapes import LinearAttention, ModelShape  # noqa: F401
 from engine.ledger.core import Ledger, LedgerLine, LedgerProblem, build_ledger, format_ledger  # noqa: F401
 from engine.ledger.cli import add_ledger_arguments, run_ledger, wants_ledger  # noqa: F401

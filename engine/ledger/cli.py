@@ -8,7 +8,7 @@ from typing import Any
 from engine.errors import NInferError
 from engine.settings_table import SETTINGS
 from engine.ledger.common import PAGE_SIZE, SYNTHETIC_NAMES, WEIGHT_BITS
-from engine.ledger.layouts import KVLayout, KV_DTYPES, KV_LAYOUTS, resolve_kv_dtype
+from engine.memory.geometry import KVLayout, KV_DTYPES, KV_LAYOUTS, resolve_kv_dtype
 from engine.ledger.shapes import LinearAttention, ModelShape
 from engine.ledger.core import Ledger, LedgerLine, LedgerProblem, _KEYS, build_ledger, format_ledger
 

@@ -2,16 +2,16 @@
 from __future__ import annotations
 
 
+from engine.memory.geometry import PAGE_SIZE, ceil_div as _ceil_div  # noqa: F401
 from engine.settings_table import SETTINGS
 
 
-PAGE_SIZE = 64  # tokens a KV page holds: engine.kv.cache.PAGE_SIZE (not imported: that module needs torch)
 MIB = 2**20
 GIB = 2**30
 ACTIVATION_BYTES_PER_HIDDEN = 32  # 16 activations of bf16 per hidden unit per prefill-chunk token
 DFLASH2_DRAFT_BYTES = 2 * 10**9  # seed 1: "~2 GB draft weights"
 HOST_RUNTIME_MIB = {"gpu": 1536, "cpu": 1024}
-CPU_KV_RAM_FRACTION = 0.25  # engine.build.CPU_KV_RAM_FRACTION: KV auto on the CPU takes at most this share of RAM
+CPU_KV_RAM_FRACTION = 0.25  # KV auto on the CPU takes at most this share of RAM
 DEFAULT_DRAFT_TOKENS = {"ngram": 4, "draft": 4, "mtp": 4, "dflash2": 5}
 # Bits per parameter of each weight format, with its scales (kernels/quant.py defaults): int8 per output channel,
 # int4 symmetric in groups of 32 with an fp16 scale, ternary in groups of 64 with an fp16 scale.
@@ -20,6 +20,3 @@ SYNTHETIC_NAMES = ("qwen3.5-27b-like",)
 
 _DEFAULTS = {s.name: s.default for s in SETTINGS}
 
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)

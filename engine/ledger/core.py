@@ -5,11 +5,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from engine.errors import NInferError
-from engine.kv.settings import window_footprint
+from engine.memory.geometry import WindowSpec, state_slots, state_snapshots
 from engine.ledger.common import (
     ACTIVATION_BYTES_PER_HIDDEN, CPU_KV_RAM_FRACTION, DEFAULT_DRAFT_TOKENS, DFLASH2_DRAFT_BYTES, GIB,
     HOST_RUNTIME_MIB, MIB, PAGE_SIZE, WEIGHT_BITS, _DEFAULTS, _ceil_div)
-from engine.ledger.layouts import KVLayout, KV_LAYOUTS, resolve_kv_dtype
+from engine.memory.geometry import KVLayout, KV_LAYOUTS, resolve_kv_dtype
 from engine.ledger.shapes import ModelShape
 
 
@@ -157,7 +157,7 @@ def _mib(n: float) -> str:
 
 _KEYS = ("weight_dtype", "kv_dtype", "kv_capacity", "kv_headroom_mib", "host_kv_mib", "max_context", "max_concurrency",
          "kv_window", "kv_retrieve", "kv_ring", "kv_reuse_hostbacked", "spec", "draft_tokens", "draft_model", "prefill_chunk",
-         "gdn_state_fp16")
+         "gdn_state_fp16", "max_shared_prefixes")
 
 
 def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_mib: int,
@@ -228,10 +228,16 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     act = chunk * shape.hidden * ACTIVATION_BYTES_PER_HIDDEN * (1 if on_gpu else 2) \
         + shape.vocab * 4 * conc * (1 + draft_tokens)
     add("activations", f"activations/workspace (prefill chunk {chunk})", act, estimate=True)
-    state = shape.state_bytes(bool(s["gdn_state_fp16"])) * conc
+    speculative = spec not in ("none", "")
+    snapshots = state_snapshots(conc, s["max_shared_prefixes"] != 0)
+    slots = state_slots(conc, speculative, snapshots)
+    state = shape.state_bytes(bool(s["gdn_state_fp16"])) * slots
     if state:
         fmt = "fp16" if s["gdn_state_fp16"] else "fp32"
-        add("state", f"recurrent state ({shape.linear_layers} linear layers, {fmt}, x{conc} seq)", state)
+        extra = [f"{conc} draft checkpoints" if speculative else "", f"{snapshots} prefix snapshots" if snapshots
+                 else ""]
+        add("state", f"recurrent state ({shape.linear_layers} linear layers, {fmt}, x{slots} slots: {conc} seq"
+                     f"{''.join(', ' + e for e in extra if e)})", state)
     if include_weights:
         add("runtime", "host runtime (Python, PyTorch, server)", HOST_RUNTIME_MIB["gpu" if on_gpu else "cpu"] * MIB,
             device="host", estimate=True)
@@ -245,8 +251,9 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     ringed = window > 0 and ring != "off"  # sequences may run windowed: each takes its footprint (plan_tiers)
     capped = window > 0 and ring == "off"  # the window caps every sequence, nothing goes to the host
     resident = ctx_pages
-    if ringed:  # a windowed sequence's GPU pages: engine.kv.window.WindowSpec.footprint
-        resident = window_footprint(dict(kv_window=window, kv_retrieve=int(s["kv_retrieve"]), prefill_chunk=chunk))
+    if ringed:  # a windowed sequence's GPU pages: engine.memory.geometry.WindowSpec.footprint
+        resident = WindowSpec.from_settings(dict(kv_window=window, kv_retrieve=int(s["kv_retrieve"]),
+                                                   prefill_chunk=chunk)).footprint
     elif capped:
         resident = min(_ceil_div(window, PAGE_SIZE), ctx_pages)
     wanted = resident * conc

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 from engine.errors import ModelLoadError
 from engine.ledger.common import GIB, SYNTHETIC_NAMES, WEIGHT_BITS
-from engine.ledger.layouts import KV_LAYOUTS
+from engine.memory.geometry import KV_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,22 @@ class ModelShape:
     linear: LinearAttention | None = None
     mtp_layers: int = 0
     state_bytes_override: int | None = None
+    recurrent_layers: int = 0  # layers with a recurrent state other than Gated-DeltaNet (from the model's specs)
     weight_bytes_by_dtype: Mapping[str, int] = field(default_factory=dict)
 
     # -- constructors
     @classmethod
     def from_config(cls, cfg: Any, *, stored_bytes: int = 0, stored_format: str = "", source: str = "config",
-                    params: int | None = None) -> "ModelShape":
-        """From an engine ModelConfig (every layer has full attention)."""
-        return cls(name=cfg.name or cfg.arch, layers=cfg.num_layers, full_attention_layers=cfg.num_layers,
+                    params: int | None = None, cache_specs: list | None = None) -> "ModelShape":
+        """From an engine ModelConfig: KV for its attention layers; `cache_specs` (a model's, per layer,
+        engine/memory/specs.py) give the recurrent state a sequence holds."""
+        recurrent = [s for s in cache_specs or () if s.kind == "recurrent"]
+        return cls(name=cfg.name or cfg.arch, layers=cfg.num_layers, full_attention_layers=cfg.attention_layers,
                    kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
                    params=params or cfg.num_parameters(), heads=cfg.num_heads, intermediate=cfg.intermediate_size,
                    max_position=cfg.max_position, stored_bytes=stored_bytes, stored_format=stored_format,
-                   source=source)
+                   source=source, recurrent_layers=len(recurrent),
+                   state_bytes_override=sum(s.nbytes for s in recurrent) if recurrent else None)
 
     @classmethod
     def synthetic(cls, name: str) -> "ModelShape":
@@ -86,7 +90,8 @@ class ModelShape:
     # -- derived numbers
     @property
     def linear_layers(self) -> int:
-        return self.linear.layers if self.linear else 0
+        """Layers with a recurrent state instead of KV."""
+        return self.linear.layers if self.linear else self.recurrent_layers
 
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         return KV_LAYOUTS[kv_dtype].bytes_per_token(self.full_attention_layers, self.kv_heads, self.head_dim)
@@ -137,7 +142,7 @@ def _qwen35_27b_like() -> ModelShape:
 
 
 def _gguf_shape(path: Path) -> ModelShape:
-    from engine.model.config import SUPPORTED_ARCHS
+    from engine.model.registry import supported
     from engine.model.gguf_file import _field, open_gguf, read_config
 
     reader = open_gguf(path)
@@ -146,7 +151,7 @@ def _gguf_shape(path: Path) -> ModelShape:
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
     fmt = f"GGUF {'/'.join(kinds)}"
     arch = _field(reader, "general.architecture")
-    if arch in SUPPORTED_ARCHS:
+    if arch in supported():
         return ModelShape.from_config(read_config(reader, path), stored_bytes=stored, stored_format=fmt,
                                       source="gguf", params=params)
 

@@ -14,6 +14,8 @@ class SeqSlice:
     pages: torch.Tensor | None  # page ids covering ctx_len tokens, in order (None for a windowed sequence)
     tiers: "object | None" = None  # engine.kv.window.TieredPages of a windowed sequence, prepared for this step
     first_page: int | None = None  # set when `pages` are consecutive ids: the CPU path reads them as a view, no copy
+    state: int | None = None  # its recurrent-state slot (engine/memory/state.py), for models with recurrent layers
+    saves: tuple[tuple[int, int], ...] = ()  # (i, slot): after its token i of this step, copy the state to slot
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per-step tensors every layer reuses
 
     def causal_mask(self, device) -> torch.Tensor:
@@ -50,6 +52,7 @@ class ForwardBatch:
     slots: torch.Tensor  # [T] flat KV slot (page * page_size + offset) each token's K/V is written to
     seqs: list[SeqSlice]
     kv: "object"  # engine.kv.cache.KVCache
+    state: "object | None" = None  # engine.memory.state.StatePool (models with recurrent layers)
     logit_rows: torch.Tensor | None = None  # rows to compute logits for; None = every row
     max_position: int = 0
     decode: DecodeTable | None = None  # set for a static decode step: attention reads this table, not `seqs`

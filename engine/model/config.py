@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.errors import ModelLoadError
+from engine.memory.specs import LAYER_KINDS
+from engine.model.registry import check_supported
 
-# Architecture families the forward pass implements, with the names they go by in GGUF and HF files.
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+# The names HF config.json files give the architectures engine.model.registry implements.
 HF_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -33,26 +34,44 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: biases on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     name: str = ""
+    layer_kinds: tuple[str, ...] = ()  # per layer: "attention" or "recurrent" (engine/memory/specs.py); () = all attention
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
+        if not self.layer_kinds:
+            object.__setattr__(self, "layer_kinds", ("attention",) * self.num_layers)
         problems = []
-        if self.arch not in SUPPORTED_ARCHS:
-            raise ModelLoadError(
-                f"Model architecture '{self.arch}' is not supported.",
-                f"Supported: {', '.join(SUPPORTED_ARCHS)} (SmolLM and Mistral use llama).",
-            )
+        check_supported(self.arch)  # refuses an architecture no model class computes
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
             problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if len(self.layer_kinds) != self.num_layers or not set(self.layer_kinds) <= set(LAYER_KINDS):
+            problems.append(f"layer_kinds {self.layer_kinds} must name one of {LAYER_KINDS} per layer")
+        elif "attention" not in self.layer_kinds:
+            problems.append("at least one layer must be an attention layer")
         if self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if problems:
             raise ModelLoadError("The model's configuration is invalid: " + "; ".join(problems) + ".",
                                  "The file is damaged or was converted wrongly; re-download or re-convert it.")
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers that keep KV (the KV cache's layer count)."""
+        return self.layer_kinds.count("attention")
+
+    def kind_ordinals(self) -> list[int]:
+        """Per layer, its index among the layers of its kind (an attention layer's KV-cache layer, a recurrent
+        layer's state-pool layer)."""
+        seen: dict[str, int] = {}
+        out = []
+        for kind in self.layer_kinds:
+            out.append(seen.get(kind, 0))
+            seen[kind] = out[-1] + 1
+        return out
 
     @property
     def q_size(self) -> int:

@@ -10,7 +10,8 @@ bucket is captured once (after a warm-up on a side stream) and replayed after co
 tensors; with `capture=False` (the CPU, tests) the same static forward is called directly.
 
 Everything else runs eagerly: prefill and mixed steps, speculative verification (several tokens per sequence),
-windowed (TieredPages) sequences, and steps while MTP reads hidden states; the unusual ones are logged once.
+windowed (TieredPages) sequences, models with recurrent layers, and steps while MTP reads hidden states; the unusual
+ones are logged once.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import NInferError
-from engine.kv.window import TieredPages
 from engine.model.batch import DecodeTable, ForwardBatch
 from kernels import dispatch
 
@@ -101,8 +101,10 @@ class DecodeGraphs:
         if not works or any(len(w.tokens) != 1 or w.logits not in ("last", "all") for w in works):
             return "not a decode step"  # prefill, mixed and verification steps: expected, not logged
         reason = None
-        if any(isinstance(w.pages, TieredPages) for w in works):
+        if any(w.pages.windowed for w in works):
             reason = "a windowed (TieredPages) sequence"
+        elif any(w.state is not None for w in works):
+            reason = "recurrent layers (their state steps eagerly)"
         elif getattr(self.model, "keep_hidden", False):
             reason = "MTP drafting reads the hidden states"
         elif len(works) > MAX_BATCH:

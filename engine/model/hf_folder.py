@@ -47,9 +47,25 @@ def read_config(folder: Path) -> ModelConfig:
             attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
             name=folder.name,
+            layer_kinds=_layer_kinds(raw.get("layer_types")),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: field {e} is missing or malformed.", "Download the model folder again.") from None
+
+
+# config.json "layer_types" -> engine layer kinds (engine/memory/specs.py). Sliding-window layers run as full
+# attention, as before layer types were read (no model the registry supports uses a window).
+LAYER_TYPES = {"full_attention": "attention", "sliding_attention": "attention", "linear_attention": "recurrent"}
+
+
+def _layer_kinds(types) -> tuple[str, ...]:
+    if not types:
+        return ()
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ModelLoadError(f"config.json lists layer types {unknown} that this engine does not run.",
+                             f"Supported layer types: {', '.join(LAYER_TYPES)}.")
+    return tuple(LAYER_TYPES[t] for t in types)
 
 
 def load_folder(folder: Path, progress: Progress | None = None,

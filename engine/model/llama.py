@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ModelLoadError
+from engine.memory.specs import AttentionSpec
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import Rotary, paged_attention, rms_norm, silu_and_mul
@@ -12,6 +14,8 @@ from engine.model.weights import LoadedWeights
 
 
 class DecoderLayer:
+    """Attention and gated MLP; its K/V live in KV-cache layer `ordinal` (its index among the attention layers)."""
+
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
         def get(name):
             return w.get(prefix + name)
@@ -30,8 +34,9 @@ class DecoderLayer:
             (self.q_norm.expand(cfg.num_heads, -1), self.k_norm.expand(cfg.num_kv_heads, -1)))
         self.gate_up = Linear(fuse([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]))
         self.down = Linear(get("mlp.down_proj.weight"))
+        self.cache_spec = AttentionSpec(cfg.num_kv_heads, cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, layer: int, batch: ForwardBatch,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ordinal: int, batch: ForwardBatch,
                 rotary: Rotary, rope_tables: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`rope_tables`: this step's Rotary.tables (built once per forward), or None to build them here."""
         cfg = self.cfg
@@ -45,7 +50,7 @@ class DecoderLayer:
             qk = rms_norm(qk, self.qk_norm, cfg.rms_eps)
         qk = rotary(qk, batch.positions, batch.max_position, rope_tables)
         q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-        attn = paged_attention(q, k, v, layer, batch, cfg.head_dim ** -0.5)
+        attn = paged_attention(q, k, v, ordinal, batch, cfg.head_dim ** -0.5)
         x = self.o(attn.reshape(-1, cfg.q_size))
         residual = residual + x
         h = rms_norm(residual, self.post_norm, cfg.rms_eps)
@@ -53,6 +58,9 @@ class DecoderLayer:
 
 
 class LlamaModel:
+    """The decoder stack. Its layers exist because the config lists them (`ModelConfig.layer_kinds`): make_layer
+    builds one per kind, each runs over the cache of its kind at its ordinal among the layers of that kind."""
+
     def __init__(self, weights: LoadedWeights, dtype: torch.dtype, device: torch.device, weight_format: str = "",
                  keep_native: bool = False):
         """dtype: activations and dense weights; weight_format: int8 / int4 / ternary for the linear weights, or
@@ -67,11 +75,58 @@ class LlamaModel:
             head = convert("lm_head.weight", weights.tensors["model.embed_tokens.weight"], weight_format, dtype, device)
         self.lm_head = Linear(head)
         self.norm = w["model.norm.weight"]
-        self.layers = [DecoderLayer(cfg, w, f"model.layers.{i}.") for i in range(cfg.num_layers)]
+        self.layers = [self.make_layer(kind, cfg, w, f"model.layers.{i}.") for i, kind in enumerate(cfg.layer_kinds)]
+        self.ordinals = cfg.kind_ordinals()
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, weights.tensors.get("rope_freqs"),
                              device)
         self.keep_hidden = False  # set by MTP drafting (engine.spec.mtp), which reads every token's last hidden state
         self.hidden: torch.Tensor | None = None  # then: [T, hidden] before the final norm, for the last batch
+
+    @classmethod
+    def expected_shapes(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """Every tensor the forward pass reads, with its shape (out_features, in_features) for linears."""
+        h = cfg.hidden_size
+        shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+        if not cfg.tie_embeddings:
+            shapes["lm_head.weight"] = (cfg.vocab_size, h)
+        for i, kind in enumerate(cfg.layer_kinds):
+            shapes.update(cls.layer_shapes(kind, cfg, f"model.layers.{i}."))
+        return shapes
+
+    @classmethod
+    def layer_shapes(cls, kind: str, cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+        """The tensors of one layer of this kind (make_layer builds it from them)."""
+        if kind != "attention":
+            raise ModelLoadError(f"{cfg.arch} has no layers of kind '{kind}'.",
+                                 "The model's configuration does not match its architecture; convert it again.")
+        h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        shapes = {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
+        if cfg.attention_bias:
+            for n, size in (("q", q), ("k", kv), ("v", kv)):
+                shapes[p + f"self_attn.{n}_proj.bias"] = (size,)
+        return shapes
+
+    def make_layer(self, kind: str, cfg: ModelConfig, w: dict, prefix: str):
+        self.layer_shapes(kind, cfg, prefix)  # refuses a kind this model has no layer for
+        return DecoderLayer(cfg, w, prefix)
+
+    @property
+    def cache_specs(self) -> list:
+        """What each layer keeps per sequence (engine/memory/specs.py), in layer order."""
+        return [layer.cache_spec for layer in self.layers]
 
     def weight_bytes(self) -> int:
         """Bytes the forward pass reads per token: every layer's weights plus the output layer (not the embedding
@@ -91,8 +146,8 @@ class LlamaModel:
         x = F.embedding(batch.input_ids, self.embed)
         residual = None
         tables = self.rotary.tables(batch.positions, batch.max_position)
-        for i, layer in enumerate(self.layers):
-            x, residual = layer.forward(x, residual, i, batch, self.rotary, tables)
+        for layer, ordinal in zip(self.layers, self.ordinals):
+            x, residual = layer.forward(x, residual, ordinal, batch, self.rotary, tables)
         x = residual + x
         if self.keep_hidden:
             self.hidden = x

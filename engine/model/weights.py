@@ -9,6 +9,7 @@ import torch
 
 from engine.errors import ModelLoadError, NInferError
 from engine.model.config import ModelConfig
+from engine.model.registry import model_class
 from kernels.quant import QuantizedWeight  # noqa: F401  (the type of low-bit tensors)
 
 Progress = Callable[[float, str], None]
@@ -35,31 +36,9 @@ class LoadedWeights:
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the forward pass reads, with its shape (out_features, in_features) for linears."""
-    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
-        if cfg.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (cfg.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (cfg.head_dim,)
-        if cfg.attention_bias:
-            for n, size in (("q", q), ("k", kv), ("v", kv)):
-                shapes[p + f"self_attn.{n}_proj.bias"] = (size,)
-    return shapes
+    """Every tensor the forward pass reads, with its shape (out_features, in_features) for linears: as the model
+    class of the architecture builds its layers (engine.model.registry), one set per layer kind."""
+    return model_class(cfg.arch).expected_shapes(cfg)
 
 
 def check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> None:

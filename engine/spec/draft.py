@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import NInferError
-from engine.kv.cache import PAGE_SIZE
+from engine.kv.table import PageList
+from engine.memory.geometry import PAGE_SIZE
 from engine.ledger.common import DEFAULT_DRAFT_TOKENS
 from engine.runner import ModelRunner, Work
 from engine.sequence import Sequence
@@ -38,7 +39,7 @@ def check_same_tokenizer(target, draft, target_name: str, draft_name: str) -> No
 
 @dataclass
 class _DraftKV:
-    pages: list[int] = field(default_factory=list)
+    pages: PageList = field(default_factory=PageList)
     fed: list[int] = field(default_factory=list)  # tokens whose KV the draft model holds, a prefix of seq.tokens
 
 
@@ -57,7 +58,7 @@ class DraftModelProposer:
         for seq, k in requests:
             st = self._seqs.setdefault(seq.request_id, _DraftKV())
             self._sync(seq, st)
-            if self.pool.grow_to(st.pages, len(seq.tokens) + k - 1):
+            if st.pages.grow(self.pool, len(seq.tokens) + k - 1):
                 active.append((seq, k, st))
                 drafts[seq.request_id] = []
         works = [Work(seq.tokens[len(st.fed):], len(st.fed), st.pages) for seq, _, st in active]

@@ -4,7 +4,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine.errors import NInferError
+from engine.model.formats import pick_kv_dtype, weight_format
+from engine.model.linear import LOW_BIT
+from engine.model.loader import load_weights
+from engine.model.registry import build_model
+from engine.spec.draft import DraftModelProposer, check_same_tokenizer
+from engine.spec.mtp import MTPProposer, find_mtp
+from engine.spec.ngram import NgramProposer
 from engine.spec.speculator import Speculator
+from engine.tokenizer import Tokenizer
 
 METHODS = ("none", "ngram", "draft", "mtp")
 
@@ -12,17 +20,15 @@ METHODS = ("none", "ngram", "draft", "mtp")
 def make_speculator(method: str, *, target, runner, tokenizer, target_path: Path, draft_tokens: int = 0,
                     draft_model: str | None = None, lm_head_draft: bool = False, weight_dtype: str = "auto",
                     mtp_weights: dict | None = None) -> Speculator | None:
-    """target: the LlamaModel being served; runner: its ModelRunner (the draft KV pool matches its page count)."""
+    """target: the model being served; runner: its ModelRunner (the draft KV pool matches its page count)."""
     if method in ("none", "", None):
         return None
     if method == "ngram":
-        from engine.spec.ngram import NgramProposer
         return Speculator(NgramProposer(), draft_tokens)
     if method == "draft":
         return Speculator(_draft_proposer(target, runner, tokenizer, target_path, draft_model, lm_head_draft,
                                           weight_dtype), draft_tokens)
     if method == "mtp":
-        from engine.spec.mtp import MTPProposer, find_mtp
         spec = find_mtp(mtp_weights or {}, target.cfg)
         if spec is None:
             raise NInferError(f"--spec mtp: {target_path.name} carries no multi-token-prediction (MTP) layers.",
@@ -35,13 +41,6 @@ def make_speculator(method: str, *, target, runner, tokenizer, target_path: Path
 
 def _draft_proposer(target, runner, tokenizer, target_path: Path, draft_model: str | None, lm_head_draft: bool,
                     weight_dtype: str):
-    from engine.build import pick_kv_dtype, weight_format
-    from engine.model.linear import LOW_BIT
-    from engine.model.llama import LlamaModel
-    from engine.model.loader import load_weights
-    from engine.spec.draft import DraftModelProposer, check_same_tokenizer
-    from engine.tokenizer import Tokenizer
-
     if not draft_model:
         raise NInferError("--spec draft needs a draft model.", "Set --draft-model PATH (a GGUF file or model folder "
                                                                "of the same family), or use --spec ngram.")
@@ -50,6 +49,6 @@ def _draft_proposer(target, runner, tokenizer, target_path: Path, draft_model: s
     draft_tok = Tokenizer.from_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
     check_same_tokenizer(tokenizer, draft_tok, target_path.name, path.name)
     fmt = weight_format(weight_dtype, weights)
-    model = LlamaModel(weights, target.dtype, target.device, fmt)
+    model = build_model(weights, target.dtype, target.device, fmt)
     kv = pick_kv_dtype("auto", target.device)
     return DraftModelProposer(model, runner.pool.num_pages, kv, lm_head_draft, runner.page_size)

@@ -65,7 +65,7 @@ class MTPModule:
 
     def __init__(self, target, w: MTPWeights, lm_head_draft: bool):
         dev, dt = target.device, target.dtype
-        self.cfg = replace(target.cfg, num_layers=1)
+        self.cfg = replace(target.cfg, num_layers=1, layer_kinds=("attention",))
         self.device, self.dtype = dev, dt
         self.embed, self.rotary = target.embed, target.rotary
         to = lambda t: t.to(device=dev, dtype=dt)  # noqa: E731
@@ -75,6 +75,10 @@ class MTPModule:
         self.lm_head = draft_head(Linear(to(w.head)) if w.head is not None else target.lm_head, lm_head_draft)
         self.hidden_in: torch.Tensor | None = None
         self.hidden_out: torch.Tensor | None = None
+
+    @property
+    def cache_specs(self) -> list:
+        return [self.layer.cache_spec]
 
     @torch.inference_mode()
     def forward(self, batch) -> torch.Tensor:
@@ -137,7 +141,7 @@ class MTPProposer:
             k = chain[seq.request_id]
             token = greedy_tokens(logits[None])[0]
             self._pending[seq.request_id] = (len(seq.tokens), [token])
-            if k > 1 and self.target_pool.grow_to(seq.pages, len(seq.tokens) + k - 1):
+            if k > 1 and seq.pages.grow(self.target_pool, len(seq.tokens) + k - 1):
                 active.append((seq, k, self.module.hidden_out[row:row + 1].clone()))
         step = 0
         while active:

@@ -1,8 +1,8 @@
-"""The engine's side of speculation: how many tokens to draft for each decoding sequence (adaptive), their KV
-pages, and the counters."""
+"""The engine's side of speculation: how many tokens to draft for each decoding sequence (adaptive), the memory
+to verify and roll them back, and the counters."""
 from __future__ import annotations
 
-from engine.kv.pages import PagePool
+from engine.memory.manager import MemoryManager
 from engine.sequence import Sequence
 from engine.spec.adaptive import SpecState, StepCosts, best_length
 
@@ -35,8 +35,9 @@ class Speculator:
         """Draft tokens the sequence may still use: it must end within max_tokens and the context."""
         return min(seq.max_context - len(seq.tokens), seq.params.max_tokens - len(seq.output)) - 1
 
-    def draft(self, decoding: list[Sequence], pool: PagePool) -> dict[str, list[int]]:
-        """Drafts for the sequences that decode this step (request id -> tokens), with pages grown to hold them."""
+    def draft(self, decoding: list[Sequence], memory: MemoryManager) -> dict[str, list[int]]:
+        """Drafts for the sequences that decode this step (request id -> tokens), with memory reserved to verify
+        them and to roll any of them back."""
         if self.adaptive and len(decoding) == 1 and self.costs.needs_base:
             return {}  # one plain step, timed by step_done: the unit the draft lengths are weighed against
         wanted = []
@@ -50,7 +51,7 @@ class Speculator:
         drafts = {}
         for (seq, k), tokens in zip(wanted, self.proposer.propose(wanted)):
             tokens = list(tokens[:k])
-            if tokens and pool.grow_to(seq.pages, len(seq.tokens) + len(tokens)):
+            if tokens and memory.reserve_drafts(seq, len(tokens)):
                 drafts[seq.request_id] = tokens
         return drafts
 
@@ -72,8 +73,8 @@ class Speculator:
                     chain[seq.request_id] = min(k, self._room(seq))
         self.proposer.observe(items, chain)
 
-    def verified(self, seq: Sequence, drafted: int, accepted: int, pool: PagePool) -> None:
-        """After a verification step: counts, adaptive length, and the pages and proposer state of rejected tokens
+    def verified(self, seq: Sequence, drafted: int, accepted: int, memory: MemoryManager) -> None:
+        """After a verification step: counts, adaptive length, and the memory and proposer state of rejected tokens
         given back."""
         self.state(seq).record(drafted, accepted, self.costs if self.adaptive else None, self.max_draft)
         c = self.counters
@@ -81,8 +82,7 @@ class Speculator:
         c["spec_accepted"] += accepted
         c["spec_steps"] += 1
         c["spec_emitted"] += accepted + 1
-        if seq.pages:
-            pool.shrink_to(seq.pages, len(seq.tokens))
+        memory.rollback(seq)
         self.proposer.verified(seq)
 
     def release(self, seq: Sequence) -> None:

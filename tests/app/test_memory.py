@@ -47,6 +47,8 @@ def _settings(**values):
 
 @pytest.mark.parametrize("kv_dtype", ["k8v4", "rk4v4", "k8v8"])
 def test_quantized_kv_estimate_equals_the_ledger_and_the_engine(kv_dtype):
+    import torch
+
     from engine.kv.cache import KVCache
     from engine.ledger import KV_LAYOUTS, ModelShape, build_ledger
 
@@ -56,7 +58,7 @@ def test_quantized_kv_estimate_equals_the_ledger_and_the_engine(kv_dtype):
     mem = estimate(info, settings, _CPU())
     ledger = build_ledger(ModelShape.from_path(None), settings, vram_mib=0, ram_mib=8192)
 
-    engine_bpt = KVCache.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+    engine_bpt = KVCache(cfg.num_layers, 1, cfg.num_kv_heads, cfg.head_dim, kv_dtype, torch.device("cpu")).token_bytes
     assert mem.kv_bytes_per_token == ledger.page_bytes // 64 == engine_bpt
     assert mem.kv_bytes_per_token == KV_LAYOUTS[kv_dtype].bytes_per_token(cfg.num_layers, cfg.num_kv_heads,
                                                                           cfg.head_dim)

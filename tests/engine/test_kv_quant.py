@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from engine.kv import quant
-from engine.kv.cache import PAGE_SIZE, KVCache
+from engine.kv.cache import KVCache
 from engine.kv.quant import QUANT_KV_DTYPES, kv_format
+from engine.memory.geometry import KV_LAYOUTS, PAGE_SIZE
 from engine.model.batch import ForwardBatch, SeqSlice
 from engine.model.layers import paged_attention
 from engine.runner import ModelRunner, Work
@@ -170,25 +171,22 @@ WANT = {"SmolLM2-135M": {"fp32": 46080, "fp16": 23040, "bf16": 23040, "k8v8": 11
 def test_bytes_per_token_table_and_the_ledger():
     print("\nKV bytes per token (x bf16)")
     for label, shape in (("SmolLM2-135M", SMOL), ("Qwen3.5-27B-like", QWEN)):
-        bf16 = KVCache.bytes_per_token(*shape, "bf16")
-        row = {name: KVCache.bytes_per_token(*shape, kv_arg(name)) for name in ALL}
+        bf16 = KV_LAYOUTS["bf16"].bytes_per_token(*shape)
+        row = {name: KV_LAYOUTS[name].bytes_per_token(*shape) for name in ALL}
         print(f"  {label:17}" + "  ".join(f"{n} {b:,} ({b / bf16:.3f})" for n, b in row.items()))
         assert row == WANT[label]
         assert row["k8v4"] <= 0.4 * bf16  # the issue's requirement
         assert row["fp32"] > row["bf16"] > row["k8v8"] > row["k8v4"] > row["k4v4"] == row["rk4v4"]
-    assert KVCache.bytes_per_token(*SMOL, torch.bfloat16) == KVCache.bytes_per_token(*SMOL, "bf16")
 
 
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("shape", [SMOL[1:], QWEN[1:], (2, 16), (8, 128), (2, 80)])
-def test_page_bytes_from_the_tensors_agree_with_bytes_per_token_and_the_ledger(name, shape):
-    from engine.ledger import KV_LAYOUTS
-
+def test_page_bytes_from_the_tensors_agree_with_the_geometry(name, shape):
+    """The tensors the KV cache allocates hold exactly the bytes engine.memory.geometry states for the dtype."""
     heads, head_dim = shape
     cache = KVCache(3, 2, heads, head_dim, kv_arg(name), CPU)
-    per_token = KVCache.bytes_per_token(3, heads, head_dim, kv_arg(name))
+    per_token = KV_LAYOUTS[name].bytes_per_token(3, heads, head_dim)
     assert cache.page_bytes == per_token * PAGE_SIZE and cache.token_bytes == per_token
-    assert per_token == KV_LAYOUTS[name].bytes_per_token(3, heads, head_dim)
 
 
 # ---------------------------------------------------------------------------------------------------- attention error

@@ -388,13 +388,3 @@ def test_host_backed_reuse_needs_a_host_tier_and_prefix_reuse(tiny):
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def test_settings_footprint_is_the_engines():
-    """--print-config and the config check count a windowed conversation's GPU pages as the engine allocates them."""
-    from engine.kv.settings import window_footprint
-    from engine.kv.window import WindowSpec
-
-    for window, retrieve, chunk in [(512, 512, 512), (100, 0, 16), (16384, 8192, 1024), (65536, 64, 4096)]:
-        spec = WindowSpec(WindowSpec.round(window), WindowSpec.round(retrieve), "auto", chunk)
-        assert window_footprint(dict(kv_window=window, kv_retrieve=retrieve, prefill_chunk=chunk)) == spec.footprint
