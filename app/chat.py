@@ -83,6 +83,7 @@ class ChatPanel(TranscriptActions, QWidget):
         bar = QHBoxLayout()
         self.model_label = QLabel()
         self.model_label.setObjectName("Section")
+        self.model_label.setWordWrap(True)  # a long model name or remote URL wraps instead of widening the window
         bar.addWidget(self.model_label)
         bar.addStretch(1)
         self.mode_buttons = QButtonGroup(self)

@@ -53,11 +53,18 @@ class ContextBar(QWidget):
         self.clear_button.clicked.connect(self.clear_attachments)
         self.clear_button.setVisible(False)
         layout.addWidget(self.clear_button)
+        tip = ("The conversation's tokens (estimated from its characters, calibrated by the server's count) of the "
+               "model's context window. When it is full, the oldest turns are left out, and the chat says so.")
+        self.label = QLabel()
+        self.label.setObjectName("Muted")
+        self.label.setToolTip(tip)
+        layout.addWidget(self.label)
         self.bar = QProgressBar()
-        self.bar.setMaximumWidth(260)
-        self.bar.setMinimumWidth(120)
-        self.bar.setToolTip("The conversation's tokens (estimated until the server counts them) of the model's "
-                            "context window. When it is full, the oldest turns are left out, and the chat says so.")
+        self.bar.setObjectName("ContextBar")
+        self.bar.setTextVisible(False)
+        self.bar.setFixedWidth(110)
+        self.bar.setMaximumHeight(8)
+        self.bar.setToolTip(tip)
         layout.addWidget(self.bar)
         self.used = 0
 
@@ -120,9 +127,11 @@ class ContextBar(QWidget):
         if not window:
             self.bar.setRange(0, 1)
             self.bar.setValue(0)
-            self.bar.setFormat(f"~{tokens:,} tokens (context size unknown)")
+            self.bar.setVisible(False)
+            self.label.setText(f"Context: ~{tokens:,} tokens")
             return
+        self.bar.setVisible(True)
         self.bar.setRange(0, window)
         self.bar.setValue(min(tokens, window))
-        self.bar.setFormat(f"~{tokens:,} / {window:,} tokens" + (" · full: oldest turns left out"
-                                                                 if tokens > window else ""))
+        self.label.setText(f"Context: ~{tokens:,} / {window:,} tokens" + (" · full: the oldest turns are left out"
+                                                                          if tokens > window else ""))

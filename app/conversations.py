@@ -61,8 +61,9 @@ class ConversationList(QWidget):
         self.delete_button = QPushButton("Delete")
         self.delete_button.setObjectName("Danger")
         self.delete_button.clicked.connect(lambda: self.delete(self.current_id()))
-        row.addWidget(self.rename_button)
-        row.addWidget(self.delete_button)
+        for b in (self.rename_button, self.delete_button):
+            b.setProperty("compact", True)  # both fit beside each other in a narrow list
+            row.addWidget(b)
         layout.addLayout(row)
         self.confirm_delete = lambda title: QMessageBox.question(
             self, "Delete conversation", f"Delete “{short_title(title)}”?\n\nThis cannot be undone.") \

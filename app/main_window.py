@@ -29,7 +29,7 @@ class MainWindow(QMainWindow):
 
         split = QSplitter()
         self.conversations = ConversationList(store)
-        self.conversations.setMinimumWidth(150)
+        self.conversations.setMinimumWidth(175)
         self.conversations.setMaximumWidth(360)
         split.addWidget(self.conversations)
         self.tabs = QTabWidget()

@@ -38,6 +38,7 @@ class _Stat(QFrame):
         self.detail = QLabel("")
         self.detail.setObjectName("Muted")
         self.detail.setWordWrap(True)
+        self.detail.setMinimumHeight(self.detail.fontMetrics().lineSpacing() * 2)
         layout.addWidget(t)
         layout.addWidget(self.value)
         layout.addWidget(self.detail)
@@ -94,10 +95,12 @@ class MonitorPanel(QWidget):
         self.stat_spec = _Stat("Speculative decoding")
         self.stat_req = _Stat("Requests")
         gpu = self.vram.handle is not None
-        self.stat_vram = _Stat("VRAM" if gpu else "RAM")
+        self.stat_vram = _Stat("VRAM" if gpu else "RAM (no GPU)")
         self.stat_cpu = _Stat("CPU")
-        if not gpu:
-            self.stat_vram.setToolTip(self.vram.detail)
+        if not gpu:  # the reason (e.g. NVML's "Shared Library Not Found") only on hover
+            self.stat_vram.setToolTip(f"{self.vram.note[:1].upper()}{self.vram.note[1:]}: showing the RAM NInfer "
+                                      f"uses instead of VRAM." + (f"\nNVML: {self.vram.detail}" if self.vram.detail
+                                                                 else ""))
         self.stat_cards = {"decode": self.stat_tps, "kv": self.stat_kv, "prefix": self.stat_prefix,
                            "spec": self.stat_spec, "requests": self.stat_req, "vram": self.stat_vram,
                            "cpu": self.stat_cpu}

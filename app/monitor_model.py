@@ -128,16 +128,15 @@ def cards(v: dict, available: bool = True, vram_note: str = "", vram_name: str =
     if v.get("vram_total"):
         out["vram"] = Card(f"{v['vram_used']:,.0f} MiB", f"of {v['vram_total']:,.0f} MiB · {vram_name}")
     elif _is_num(v.get("ram_used")):
-        system = (f" · this computer {v['ram_system_used'] / 1024:,.1f} of {v['ram_system_total'] / 1024:,.1f} GiB"
+        system = (f" · {v['ram_system_used'] / 1024:,.1f} of {v['ram_system_total'] / 1024:,.1f} GiB in use"
                   if _is_num(v.get("ram_system_used"), v.get("ram_system_total")) else "")
-        out["vram"] = Card(f"{v['ram_used']:,.0f} MiB", "used by NInfer" + system
-                           + (f" · {vram_note}" if vram_note else ""))
+        out["vram"] = Card(f"{v['ram_used']:,.0f} MiB", "NInfer" + system)
     else:
         out["vram"] = Card("—", vram_note or "no NVIDIA GPU")
     if _is_num(v.get("cpu_process")):
-        out["cpu"] = Card(f"{v['cpu_process']:.0f}%", "NInfer, of all cores"
-                          + (f" · this computer {v['cpu_system']:.0f}%" if _is_num(v.get("cpu_system")) else "")
-                          + (f" · {v['cpu_cores']} cores" if v.get("cpu_cores") else ""))
+        out["cpu"] = Card(f"{v['cpu_process']:.0f}%", "NInfer"
+                          + (f" · all: {v['cpu_system']:.0f}%" if _is_num(v.get("cpu_system")) else "")
+                          + (f" of {v['cpu_cores']} cores" if v.get("cpu_cores") else ""))
     else:
         out["cpu"] = Card("—", "not measured")
     return out

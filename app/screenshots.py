@@ -2,8 +2,10 @@
 
     python -m app.screenshots OUT_DIR
 
-Launcher (and the same launcher with a preset this version cannot run), a chat while the answer streams, the
-finished answer, the monitor, the server panel, and the chat in the dark palette. It loads the embedded default
+Launcher (and the same launcher with a preset this version cannot run, its problems in words with fix links), a chat
+while the answer streams, the finished answer (with a regenerated version and the chat's own settings open), the
+monitor (on a machine without an NVIDIA GPU it shows RAM and CPU), the server panel open to the network, the chat in
+the dark palette, and the launcher, chat and monitor at 800 x 600. It loads the embedded default
 model and serves it on a free port; NINFER_HOME should point at an empty folder so nothing of yours is touched.
 """
 from __future__ import annotations
@@ -60,6 +62,12 @@ async def drive(app, controller, out: Path) -> None:
     await asyncio.sleep(0.5)
     save(launcher, "launcher.png")
 
+    launcher.resize(800, 600)
+    await asyncio.sleep(0.5)
+    save(launcher, "launcher-800x600.png")
+    launcher.resize(1180, 780)
+    await asyncio.sleep(0.3)
+
     launcher.start()
     await _until(lambda: launcher.progress.value() > 150 or controller.window is not None, 120, "loading progress")
     save(launcher, "launcher-loading.png")
@@ -76,7 +84,22 @@ async def drive(app, controller, out: Path) -> None:
     save(window, "chat-streaming.png")
     await _until(lambda: not chat.busy, ANSWER_TIMEOUT, "the answer to finish")
     chat.render()
+    chat.max_tokens = 96
+    chat.regenerate()  # a second version of the answer, to flip through
+    await _until(lambda: not chat.busy, ANSWER_TIMEOUT, "the regenerated answer")
+    chat.show_version(len(chat.messages) - 1, 0)
+    chat.max_tokens = 160
+    chat.system_toggle.setChecked(True)
+    chat.system_prompt.setPlainText("You are a concise senior Python developer.")
+    chat.render()
+    await asyncio.sleep(0.5)
     save(window, "chat.png")
+    chat.system_toggle.setChecked(False)
+    window.resize(800, 600)
+    await asyncio.sleep(0.5)
+    save(window, "chat-800x600.png")
+    window.resize(1280, 820)
+    await asyncio.sleep(0.3)
 
     window.tabs.setCurrentWidget(window.monitor)
     chat.max_tokens = 64  # shorter answers: the monitor needs activity, not text
@@ -86,8 +109,20 @@ async def drive(app, controller, out: Path) -> None:
         await _until(lambda: not chat.busy, ANSWER_TIMEOUT, "the answer to finish")
     await asyncio.sleep(1.2)
     save(window, "monitor.png")
+    if window.monitor.vram.handle is None:  # this machine has no NVIDIA GPU: RAM and CPU instead of VRAM
+        window.resize(800, 600)
+        await asyncio.sleep(1.2)
+        save(window, "monitor-no-gpu-800x600.png")
+        window.resize(1280, 820)
     window.tabs.setCurrentWidget(window.server)
-    await asyncio.sleep(0.3)
+    server = window.server
+    server.lan.setChecked(True)
+    server.key.setText("sk-ninfer-screenshot-example-key")
+    server.apply()
+    await _until(lambda: server.apply_note.text() == "Applied." or server.apply_note.text().startswith("⚠"), 60,
+                 "the server to open to the network")
+    controller.state_changed.emit()
+    await asyncio.sleep(1.2)
     save(window, "server.png")
 
     theme.apply(app, dark=True)

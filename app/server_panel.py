@@ -210,7 +210,8 @@ class ServerPanel(QWidget):
             self.status.setText("The engine is stopped.")
         else:
             self.status.setText({"ready": "Serving", "loading": "Loading the model…"}.get(s.status, s.status.title())
-                                + (f" on {s.url}" if s.serving else ""))
+                                + (f" on {s.url}" if s.serving else "")
+                                + (" and to the network" if s.serving and s.host == LAN_HOST else ""))
         if s is not None:
             self.url.setText(s.url)
             if not self.edited:  # never overwrite what the user is typing

@@ -100,7 +100,7 @@ class SettingEditor(QWidget):
                 w.setEchoMode(QLineEdit.EchoMode.Password)
             w.textChanged.connect(self.changed)
         w.setToolTip(tooltip(s))
-        w.setMinimumWidth(150)
+        w.setMinimumWidth(110)
         layout.addWidget(w, 1)
         self.reset = QToolButton()
         self.reset.setText("↺")

@@ -132,7 +132,7 @@ def test_the_context_bar_and_turns_left_out_visibly(chat_window):
     for n in range(4):
         chat.send(f"Message {n}: " + "lorem ipsum dolor " * 25)
         answer(chat)
-    assert "/ 400 tokens" in chat.context_bar.bar.text()
+    assert "/ 400 tokens" in chat.context_bar.label.text() and chat.context_bar.bar.maximum() == 400
     sent = client.requests[-1]["messages"]
     assert len(sent) < 7 and sent[-1]["content"].startswith("Message 3")  # the oldest turns were left out ...
     assert sent[0]["content"].startswith("Message") and sent[0]["role"] == "user"

@@ -147,7 +147,7 @@ def test_monitor_receives_updates(started):
     assert monitor.stat_spec.value.text() == "not running"  # started without speculative decoding
     assert monitor.stat_spec.detail.text() == "speculative decoding is off"
     if monitor.vram.handle is None:
-        assert "no NVIDIA GPU" in monitor.stat_vram.detail.text() and monitor.stat_vram.value.text().endswith("MiB")
+        assert monitor.stat_vram.title.text() == "RAM (no GPU)" and monitor.stat_vram.value.text().endswith("MiB")
     assert len(monitor.series["pages_free"]) >= 2
 
 

@@ -141,9 +141,9 @@ def clipped(window) -> list[str]:
     for widget in window.findChildren(QLabel) + window.findChildren(QPushButton):
         if not widget.isVisibleTo(window) or not widget.text() or (isinstance(widget, QLabel) and widget.wordWrap()):
             continue
-        if widget.width() < widget.minimumSizeHint().width() - 1:
-            out.append(f"{type(widget).__name__} {widget.text()[:40]!r}: {widget.width()} < "
-                       f"{widget.minimumSizeHint().width()}")
+        need = (widget.sizeHint() if isinstance(widget, QPushButton) else widget.minimumSizeHint()).width()
+        if widget.width() < need - 1:  # (a styled button's minimum size hint leaves out its padding)
+            out.append(f"{type(widget).__name__} {widget.text()[:40]!r}: {widget.width()} < {need}")
     return out
 
 
