@@ -4,13 +4,17 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 
 from engine.engine import Engine
+from engine.engine_config import EngineConfig
+from engine.hardware import resolve_device
 from engine.errors import NInferError
 from engine.memory.geometry import PAGE_SIZE, state_slots, state_snapshots
 from engine.ledger import MIB, Ledger, ModelShape, build_ledger
@@ -23,6 +27,7 @@ from engine.model.weights import Progress
 from engine.runner import ModelRunner
 from engine.spec.factory import make_speculator
 from engine.spec.mtp import is_mtp_tensor
+from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("ninfer.build")
 
@@ -43,25 +48,25 @@ class LoadedEngine:
         return self.engine.context_tokens
 
 
-def size_kv(cfg: ModelConfig, device: torch.device, context: int, auto_context: bool, cache_specs: list | None = None,
-            **settings) -> Ledger:
+def size_kv(cfg: ModelConfig, device: torch.device, config: EngineConfig, cache_specs: list | None = None) -> Ledger:
     """The KV pools from the memory ledger (engine/ledger), on the memory free now that the weights are loaded: the
     GPU pool's pages (kv_capacity auto: what all sequences want, or what fits), the host tier's pages and the reach
     of one sequence. With the context left to the model (auto_context) a pool that cannot hold the model's whole
     context shortens it to the reach, saying so; an explicit --max-context beyond reach is refused, as is anything
     that does not fit, naming the ledger line at fault and the remedy."""
+    context, auto_context = config.max_context or cfg.max_position, not config.max_context
     vram_mib = torch.cuda.mem_get_info(device)[0] // MIB if device.type == "cuda" else 0
     ram_mib = psutil.virtual_memory().available // MIB
     shape = ModelShape.from_config(cfg, cache_specs=cache_specs)
-    ledger = build_ledger(shape, vram_mib=vram_mib, ram_mib=ram_mib, include_weights=False, max_context=context,
-                          **settings)
+    ledger = build_ledger(shape, config, vram_mib=vram_mib, ram_mib=ram_mib, include_weights=False,
+                          max_context=context)
     if auto_context and ledger.gpu_pages and ledger.reach_tokens < context \
             and all(p.line in ("kv", "host_kv") for p in ledger.check() if p.level == "error"):
         log.warning("the KV memory holds %d tokens of one sequence, less than the model's %d: the context is %d "
                     "tokens (set --max-context, --kv-dtype or --host-kv-mib to choose)", ledger.reach_tokens,
                     context, ledger.reach_tokens)
-        ledger = build_ledger(shape, vram_mib=vram_mib, ram_mib=ram_mib, include_weights=False,
-                              max_context=ledger.reach_tokens, **settings)
+        ledger = build_ledger(shape, config, vram_mib=vram_mib, ram_mib=ram_mib, include_weights=False,
+                              max_context=ledger.reach_tokens)
     ledger.raise_if_refused()
     return ledger
 
@@ -97,69 +102,52 @@ def in_own_thread(fn):
 
 
 @in_own_thread
-def build_engine(model: str | Path | None = None, *, device: str = "auto", weight_dtype: str = "auto",
-                 kv_dtype: str = "auto", max_context: int = 0, kv_capacity: str | int = "auto",
-                 kv_headroom_mib: int = 1024, max_concurrency: int = 4, prefill_chunk: int = 512, threads: int = 0,
-                 max_queue: int = 64, max_shared_prefixes: int | str = "auto", kv_window: int = 0,
-                 kv_retrieve: int = 0, kv_ring: str = "auto", host_kv_mib: int = 0, host_pageable: bool = False,
-                 allow_lossy_window: bool = False, kv_reuse_hostbacked: bool = False,
-                 spec: str = "none", draft_tokens: int = 0, draft_model: str | None = None,
-                 lm_head_draft: bool = False, prefill_cublas: bool = False, cuda_graphs: str = "auto",
-                 progress: Progress | None = None, cancel: threading.Event | None = None) -> LoadedEngine:
-    """Loads the model and builds its engine (see engine.config for what each setting means), on a thread of its
-    own that ends with the loading (`in_own_thread`)."""
-    import time
-
-    from engine.hardware import resolve_device
-    from engine.tokenizer import Tokenizer
-
+def build_engine(model: str | Path | None = None, config: EngineConfig | None = None, *,
+                 progress: Progress | None = None, cancel: threading.Event | None = None,
+                 **settings: Any) -> LoadedEngine:
+    """Loads the model and builds its engine under `config` (engine/engine_config.py; keyword `settings` change
+    single fields of it, e.g. build_engine(path, max_context=1024)), on a thread of its own that ends with the
+    loading (`in_own_thread`)."""
+    c = (config or EngineConfig()).replace(**settings)
     t0 = time.perf_counter()
-    dev = torch.device(resolve_device(device))
-    if threads and dev.type == "cpu":
-        torch.set_num_threads(threads)
-    native = weight_dtype == "auto" or weight_dtype in LOW_BIT
+    dev = torch.device(resolve_device(c.device))
+    if c.threads and dev.type == "cpu":
+        torch.set_num_threads(c.threads)
+    native = c.weight_dtype == "auto" or c.weight_dtype in LOW_BIT
     path, weights = load_weights(model, progress, cancel, native=native)
     cfg = weights.config
     log.info("loaded %s (%s, %s): %s", path.name, cfg.arch, weights.source_format, weights.storage_summary())
     tokenizer = Tokenizer.from_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
-    fmt = weight_format(weight_dtype, weights)
-    wdtype = pick_dtype("auto" if fmt or weight_dtype == "auto" else weight_dtype, dev)
-    kdtype = pick_kv_dtype(kv_dtype, dev)
-    net = build_model(weights, wdtype, dev, fmt, keep_native=weight_dtype == "auto")
+    fmt = weight_format(c.weight_dtype, weights)
+    wdtype = pick_dtype("auto" if fmt or c.weight_dtype == "auto" else c.weight_dtype, dev)
+    kdtype = pick_kv_dtype(c.kv_dtype, dev)
+    net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto")
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights
-    if max_context > cfg.max_position:
-        raise NInferError(f"--max-context {max_context} is beyond this model's trained context of "
+    if c.max_context > cfg.max_position:
+        raise NInferError(f"--max-context {c.max_context} is beyond this model's trained context of "
                           f"{cfg.max_position} tokens.", f"Use --max-context {cfg.max_position} or less (0 = the model's).")
-    ledger = size_kv(cfg, dev, max_context or cfg.max_position, not max_context, net.cache_specs, kv_dtype=kv_dtype,
-                     kv_capacity=kv_capacity, kv_headroom_mib=kv_headroom_mib, host_kv_mib=host_kv_mib,
-                     max_concurrency=max_concurrency, kv_window=kv_window, kv_retrieve=kv_retrieve, kv_ring=kv_ring,
-                     kv_reuse_hostbacked=kv_reuse_hostbacked, spec=spec, draft_tokens=draft_tokens,
-                     draft_model=draft_model, prefill_chunk=prefill_chunk, max_shared_prefixes=max_shared_prefixes)
+    ledger = size_kv(cfg, dev, c, net.cache_specs)
     context, pages, host_pages = ledger.max_context, ledger.gpu_pages, ledger.host_pages
     log.info("KV: %d pages of %s (%s), %d host pages, context %d tokens", pages, ledger.kv_dtype,
              "auto" if ledger.kv_auto else "--kv-capacity", host_pages, context)
-    if host_kv_mib and not host_pages:
-        raise NInferError(f"--host-kv-mib {host_kv_mib} holds no KV page of this model "
+    if c.host_kv_mib and not host_pages:
+        raise NInferError(f"--host-kv-mib {c.host_kv_mib} holds no KV page of this model "
                           f"({ledger.page_bytes / 2**20:.2f} MiB a page).",
                           f"Raise --host-kv-mib to at least {-(-ledger.page_bytes // 2**20)}.")
-    snapshots = state_snapshots(max_concurrency, max_shared_prefixes != 0)  # recurrent layers' state (the ledger's)
-    runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not host_pageable,
-                         prefill_cublas=prefill_cublas, cuda_graphs=cuda_graphs,
-                         state_slots=state_slots(max_concurrency, spec not in ("none", ""), snapshots))
-    if prefill_cublas:
+    snapshots = state_snapshots(c.max_concurrency, c.max_shared_prefixes != 0)  # recurrent layers' state (the ledger's)
+    runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not c.host_pageable,
+                         prefill_cublas=c.prefill_cublas, cuda_graphs=c.cuda_graphs,
+                         state_slots=state_slots(c.max_concurrency, c.speculative, snapshots))
+    if c.prefill_cublas:
         log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s", PREFILL_DENSE_ROWS,
                  "" if fmt else " (the weights are dense: nothing to do)")
-    speculator = make_speculator(spec, target=net, runner=runner, tokenizer=tokenizer, target_path=path,
-                                 draft_tokens=draft_tokens, draft_model=draft_model, lm_head_draft=lm_head_draft,
-                                 weight_dtype=weight_dtype, mtp_weights=mtp_tensors)
+    speculator = make_speculator(c, target=net, runner=runner, tokenizer=tokenizer, target_path=path,
+                                 mtp_weights=mtp_tensors)
     del mtp_tensors
     if speculator is not None:
         log.info("speculative decoding: %s, up to %d draft tokens", speculator.method, speculator.max_draft)
-    engine = Engine(runner, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=context,
-                    eos_ids=tokenizer.eos_token_ids, max_queue=max_queue, max_shared_prefixes=max_shared_prefixes,
-                    kv_window=kv_window, kv_retrieve=kv_retrieve, kv_ring=kv_ring,
-                    allow_lossy_window=allow_lossy_window, kv_reuse_hostbacked=kv_reuse_hostbacked,
-                    speculator=speculator, state_snapshots=snapshots)
+    engine = Engine(runner, c.replace(max_context=context), eos_ids=tokenizer.eos_token_ids, speculator=speculator,
+                    state_snapshots=snapshots)
     return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0, ledger)

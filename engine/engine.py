@@ -11,6 +11,7 @@ import uuid
 import torch
 
 from engine.constrain import ConstraintError
+from engine.engine_config import EngineConfig
 from engine.errors import NInferError
 from engine.kv.prefix import PrefixCache, resolve_max_shared_prefixes
 from engine.kv.window import host_backed_prefixes, plan_tiers, tier_stats
@@ -42,32 +43,36 @@ class QueueFullError(NInferError):
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, *, max_concurrency: int, prefill_chunk: int, max_context: int,
-                 eos_ids: frozenset[int] = frozenset(), max_queue: int = 64, max_shared_prefixes: int | str = 0,
-                 speculator: Speculator | None = None, kv_window: int = 0, kv_retrieve: int = 0,
-                 kv_ring: str = "auto", allow_lossy_window: bool = False, kv_reuse_hostbacked: bool = False,
-                 state_snapshots: int = 0):
-        """`state_snapshots`: recurrent-state snapshots kept for prefix reuse (models with recurrent layers;
-        engine/memory/state.py)."""
+    def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, *,
+                 eos_ids: frozenset[int] = frozenset(), speculator: Speculator | None = None,
+                 state_snapshots: int = 0, **settings):
+        """`config` (engine/engine_config.py; keyword `settings` change single fields of it): the Engine reads
+        max_context (the longest sequence, resolved: not 0), max_concurrency, max_queue, prefill_chunk, the prefix
+        and KV-tier settings. `state_snapshots`: recurrent-state snapshots kept for prefix reuse (models with
+        recurrent layers; engine/memory/state.py)."""
+        c = self.config = (config or EngineConfig()).replace(**settings)
+        if c.max_context < 1:
+            raise ValueError("Engine needs the resolved context length (config.max_context >= 1)")
+        max_concurrency, max_queue, prefill_chunk = c.max_concurrency, c.max_queue, c.prefill_chunk
         self.runner = runner
         self.pool = runner.pool
-        # cached prompt prefixes, shared by later requests (0: none; build_engine and the server default to auto);
+        # cached prompt prefixes, shared by later requests (max_shared_prefixes 0 turns reuse off);
         # the cache lives with the pool, i.e. with the model, so a later Engine over the same runner keeps it
-        self.prefix = PrefixCache.for_pool(self.pool, resolve_max_shared_prefixes(max_shared_prefixes,
+        self.prefix = PrefixCache.for_pool(self.pool, resolve_max_shared_prefixes(c.max_shared_prefixes,
                                                                                   max_concurrency))
         # KV tiers: a GPU window + host pages + retrieval (engine/kv/window.py); kv_reach: tokens one sequence may hold
         self.tiers, self.kv_reach, self._reach_what = plan_tiers(
-            runner, window=kv_window, retrieve=kv_retrieve, ring=kv_ring, chunk=prefill_chunk,
-            allow_lossy=allow_lossy_window, speculative=getattr(speculator, "needs_hidden", False))
+            runner, window=c.kv_window, retrieve=c.kv_retrieve, ring=c.kv_ring, chunk=prefill_chunk,
+            allow_lossy=c.allow_lossy_window, speculative=getattr(speculator, "needs_hidden", False))
         attention = AttentionMemory(self.pool, self.prefix, self.tiers,
-                                    host_backed_prefixes(runner, self.prefix, kv_reuse_hostbacked),
+                                    host_backed_prefixes(runner, self.prefix, c.kv_reuse_hostbacked),
                                     kv=getattr(runner, "kv", None))  # partial prefix pages are copied in it
         state = None
         if getattr(runner, "state", None) is not None:  # the model has recurrent layers
             state = StateMemory(runner.state, self.pool.page_size, state_snapshots if self.prefix is not None else 0)
         self.memory = MemoryManager(attention, state)
         self.scheduler = Scheduler(self.memory, max_concurrency, prefill_chunk)
-        self.max_context = max_context
+        self.max_context = c.max_context
         self.eos_ids = eos_ids
         self.speculator = speculator  # speculative decoding (engine.spec), or None
         self._commands: queue.Queue = queue.Queue()

@@ -7,6 +7,7 @@ import threading
 from pathlib import Path
 
 from engine.config import ConfigError, Settings, format_settings, is_loopback, load_settings
+from engine.engine_config import EngineConfig
 from engine.errors import NInferError
 
 log = logging.getLogger("ninfer.serve")
@@ -21,27 +22,13 @@ def served_model_ids(settings: Settings, path: Path) -> list[str]:
     return [path.stem if path.is_file() else path.name]
 
 
-def engine_kwargs(settings: Settings) -> dict:
-    return dict(device=settings.device, weight_dtype=settings.weight_dtype, kv_dtype=settings.kv_dtype,
-                max_context=settings.max_context, kv_capacity=settings.kv_capacity,
-                kv_headroom_mib=settings.kv_headroom_mib, max_concurrency=settings.max_concurrency,
-                prefill_chunk=settings.prefill_chunk, threads=settings.threads,
-                max_queue=settings.max_queue, max_shared_prefixes=settings.max_shared_prefixes,
-                kv_window=settings.kv_window, kv_retrieve=settings.kv_retrieve, kv_ring=settings.kv_ring,
-                host_kv_mib=settings.host_kv_mib, host_pageable=settings.host_pageable,
-                allow_lossy_window=settings.allow_lossy_window, kv_reuse_hostbacked=settings.kv_reuse_hostbacked,
-                spec=settings.spec, draft_tokens=settings.draft_tokens, draft_model=settings.draft_model,
-                lm_head_draft=settings.lm_head_draft, prefill_cublas=settings.prefill_cublas,
-                cuda_graphs=settings.cuda_graphs)
-
-
 def load_in_background(state, settings: Settings, on_failure=None) -> threading.Thread:
     """Loads the engine on a thread and puts it into the server state; records the error if loading fails."""
     def work():
         from engine.build import build_engine
         try:
-            loaded = build_engine(settings.model, progress=lambda f, _msg: setattr(state, "load_progress", f),
-                                  **engine_kwargs(settings))
+            loaded = build_engine(settings.model, EngineConfig.from_settings(settings),
+                                  progress=lambda f, _msg: setattr(state, "load_progress", f))
             loaded.engine.start()
             state.loaded = loaded
             log.info("ready: %s on %s, context %d tokens, %d KV pages, loaded in %.1f s",

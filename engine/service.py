@@ -20,7 +20,8 @@ from typing import Any
 
 from engine.config import Settings, is_loopback
 from engine.errors import NInferError
-from engine.serve import engine_kwargs, served_model_ids
+from engine.engine_config import EngineConfig
+from engine.serve import served_model_ids
 
 log = logging.getLogger("ninfer.service")
 
@@ -268,8 +269,8 @@ class LocalService:
 
         settings = self.settings
         try:
-            loaded = build_engine(self.model_path, progress=self._on_progress, cancel=self._cancel,
-                                  **engine_kwargs(settings))
+            loaded = build_engine(self.model_path, EngineConfig.from_settings(settings), progress=self._on_progress,
+                                  cancel=self._cancel)
             if self._cancel.is_set():
                 raise LoadCancelled()
             loaded.engine.start()

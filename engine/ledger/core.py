@@ -1,10 +1,11 @@
 """The ledger itself: lines per device, KV sizing, and the checks that refuse what cannot fit."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 from engine.errors import NInferError
+from engine.engine_config import EngineConfig
 from engine.memory.geometry import WindowSpec, state_slots, state_snapshots
 from engine.ledger.common import (
     ACTIVATION_BYTES_PER_HIDDEN, CPU_KV_RAM_FRACTION, DEFAULT_DRAFT_TOKENS, DFLASH2_DRAFT_BYTES, GIB,
@@ -155,9 +156,7 @@ def _mib(n: float) -> str:
     return f"{n / MIB:,.0f} MiB"
 
 
-_KEYS = ("weight_dtype", "kv_dtype", "kv_capacity", "kv_headroom_mib", "host_kv_mib", "max_context", "max_concurrency",
-         "kv_window", "kv_retrieve", "kv_ring", "kv_reuse_hostbacked", "spec", "draft_tokens", "draft_model", "prefill_chunk",
-         "gdn_state_fp16", "max_shared_prefixes")
+_KEYS = tuple(f.name for f in fields(EngineConfig))  # the settings a ledger may be given (it reads its own)
 
 
 def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_mib: int,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.engine_config import EngineConfig
 from engine.errors import NInferError
 from engine.model.formats import pick_kv_dtype, weight_format
 from engine.model.linear import LOW_BIT
@@ -17,17 +18,18 @@ from engine.tokenizer import Tokenizer
 METHODS = ("none", "ngram", "draft", "mtp")
 
 
-def make_speculator(method: str, *, target, runner, tokenizer, target_path: Path, draft_tokens: int = 0,
-                    draft_model: str | None = None, lm_head_draft: bool = False, weight_dtype: str = "auto",
+def make_speculator(config: EngineConfig, *, target, runner, tokenizer, target_path: Path,
                     mtp_weights: dict | None = None) -> Speculator | None:
-    """target: the model being served; runner: its ModelRunner (the draft KV pool matches its page count)."""
+    """The speculator `config.spec` names (its draft_tokens, draft_model, lm_head_draft, weight_dtype), or None.
+    target: the model being served; runner: its ModelRunner (the draft KV pool matches its page count)."""
+    method, draft_tokens, lm_head_draft = config.spec, config.draft_tokens, config.lm_head_draft
     if method in ("none", "", None):
         return None
     if method == "ngram":
         return Speculator(NgramProposer(), draft_tokens)
     if method == "draft":
-        return Speculator(_draft_proposer(target, runner, tokenizer, target_path, draft_model, lm_head_draft,
-                                          weight_dtype), draft_tokens)
+        return Speculator(_draft_proposer(target, runner, tokenizer, target_path, config.draft_model, lm_head_draft,
+                                          config.weight_dtype), draft_tokens)
     if method == "mtp":
         spec = find_mtp(mtp_weights or {}, target.cfg)
         if spec is None:

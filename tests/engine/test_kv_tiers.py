@@ -292,17 +292,18 @@ def test_metrics_expose_the_kv_tiers(tiny):
         stats["kv_retrieved_bytes"] / 2**20 / stats["kv_retrieve_seconds"])
 
 
-def test_ninfer_variables_reach_the_engine_kwargs():
-    """The settings the field reports could only set through the environment arrive at build_engine."""
+def test_ninfer_variables_reach_the_engine_config():
+    """The settings the field reports could only set through the environment arrive in the EngineConfig that
+    build_engine gets."""
     from engine.config import load_settings
-    from engine.serve import engine_kwargs
+    from engine.engine_config import EngineConfig
 
     env = {"NINFER_KV_WINDOW": "16384", "NINFER_KV_RETRIEVE": "8192", "NINFER_KV_RING": "1",
            "NINFER_HOST_PAGEABLE": "1", "NINFER_HOST_KV_MIB": "8192"}
     settings, _ = load_settings([], env)
-    kw = engine_kwargs(settings)
-    assert (kw["kv_window"], kw["kv_retrieve"], kw["kv_ring"], kw["host_pageable"], kw["host_kv_mib"],
-            kw["allow_lossy_window"]) == (16384, 8192, "on", True, 8192, False)
+    c = EngineConfig.from_settings(settings)
+    assert (c.kv_window, c.kv_retrieve, c.kv_ring, c.host_pageable, c.host_kv_mib, c.allow_lossy_window) == \
+        (16384, 8192, "on", True, 8192, False)
 
 
 def test_concurrent_windowed_and_plain_sequences_under_preemption_match_the_full_cache(tiny):
