@@ -127,7 +127,9 @@ class ChatPanel(TranscriptActions, QWidget):
         self.edit_bar = QWidget()
         eb = QHBoxLayout(self.edit_bar)
         eb.setContentsMargins(0, 0, 0, 0)
-        self.edit_label = QLabel("Editing a message: sending replaces it and everything after it.")
+        self.edit_label = QLabel("Editing a message: sending starts a new branch from it (the earlier one stays, "
+                                 "to flip back to).")
+        self.edit_label.setWordWrap(True)
         self.edit_label.setObjectName("Muted")
         cancel_edit = QPushButton("Cancel edit")
         cancel_edit.clicked.connect(self.cancel_edit)
@@ -225,11 +227,13 @@ class ChatPanel(TranscriptActions, QWidget):
         self.notice.setVisible(False)
         self.context_bar.clear_attachments()
         conv = self._ensure_conversation()
-        if self.editing is not None:
+        user = Message("user", text)
+        if self.editing is not None:  # what followed the edited message stays, as a branch to flip back to
+            versions.edited(self.messages[self.editing:], user)
             self.store.truncate(conv.id, self.editing)
             self.messages = self.messages[:self.editing]
             self.cancel_edit()
-        self.messages.append(self.store.append(conv.id, Message("user", text)))
+        self.messages.append(self.store.append(conv.id, user))
         if conv.title == NEW_TITLE:
             conv.title = text.splitlines()[0][:48] or NEW_TITLE
             self.store.rename(conv.id, conv.title)

@@ -1,6 +1,6 @@
 """What the chat transcript's links do, as a part of ChatPanel: copy a message or one of its code blocks (saying
-"Copied ✓" in place for a moment), edit a message to send it again, flip through an answer's versions, show or hide
-its reasoning, regenerate."""
+"Copied ✓" in place for a moment), edit a message to send it again (what followed stays as a branch), flip through an
+answer's versions or an edited message's branches, show or hide its reasoning, regenerate."""
 from __future__ import annotations
 
 from PySide6.QtCore import QUrl
@@ -17,6 +17,19 @@ class TranscriptActions:
         if not self.busy and 0 <= index < len(self.messages) and versions.show(self.messages[index], k):
             self.store.update(self.messages[index])
             self.render()
+
+    def show_branch(self, index: int, k: int) -> None:
+        """Shows branch ``k`` from the edited message ``index`` on (what followed each version of it)."""
+        if self.busy or not 0 <= index < len(self.messages):
+            return
+        messages = versions.switch(self.messages[index:], k)
+        if messages is None:
+            return
+        conv = self.conversation
+        self.store.truncate(conv.id, index)
+        self.messages = self.messages[:index] + [self.store.append(conv.id, m) for m in messages]
+        self.render()
+        self._update_buttons()
 
     def edit(self, index: int) -> None:
         if self.busy or not (0 <= index < len(self.messages)) or self.messages[index].role != "user":
@@ -64,6 +77,8 @@ class TranscriptActions:
             self.copy(i, more[0])
         elif action == "version" and more:
             self.show_version(i, more[0])
+        elif action == "branch" and more:
+            self.show_branch(i, more[0])
         elif action == "edit":
             self.edit(i)
         elif action == "regen":

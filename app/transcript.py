@@ -53,6 +53,12 @@ def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming
     if m.role == "user":
         bg, who = t["user_bg"], "You"
         actions = [copy, f'<a href="ninfer:edit/{i}" {link}>Edit</a>']
+        n = versions.branch_count(m)
+        if n > 1:
+            k = m.stats.get("branch", n - 1)
+            prev = f'<a href="ninfer:branch/{i}/{k - 1}" {link}>‹</a>' if k > 0 else "‹"
+            after = f'<a href="ninfer:branch/{i}/{k + 1}" {link}>›</a>' if k < n - 1 else "›"
+            actions.append(f"{prev}&nbsp;edit {k + 1} of {n}&nbsp;{after}")
     else:
         bg, who = t["assistant_bg"], "Assistant"
         actions = [copy]

@@ -48,3 +48,45 @@ def show(m: Message, k: int) -> bool:
     m.content, m.reasoning, m.tool_calls = v["content"], v["reasoning"], list(v["tool_calls"])
     m.stats = {**v["stats"], "versions": versions, "version": k}
     return True
+
+
+# ---- branches: editing a message keeps what followed it -------------------------------------------------------------
+# The edited user message's ``stats["branches"]`` lists the other branches from that point (each a list of message
+# snapshots, the user message first), ``stats["branch"]`` where the one shown stands among them all.
+
+BRANCH_KEYS = ("branches", "branch")
+
+
+def _message_dict(m: Message) -> dict[str, Any]:
+    return {"role": m.role, "content": m.content, "reasoning": m.reasoning, "tool_calls": list(m.tool_calls),
+            "stats": {k: v for k, v in m.stats.items() if k not in BRANCH_KEYS}}
+
+
+def branch_count(m: Message) -> int:
+    return len(m.stats.get("branches") or []) + 1 if m.stats.get("branches") else 1
+
+
+def edited(tail: list[Message], new_user: Message) -> None:
+    """``tail`` (the edited message and what followed) becomes a branch of ``new_user``, which is shown last."""
+    head = tail[0]
+    others = [list(b) for b in head.stats.get("branches") or []]
+    position = head.stats.get("branch", len(others))
+    others.insert(position, [_message_dict(m) for m in tail])
+    new_user.stats["branches"] = others
+    new_user.stats["branch"] = len(others)
+
+
+def switch(tail: list[Message], k: int) -> list[Message] | None:
+    """The messages of branch ``k`` in place of ``tail`` (which becomes one of the others), or None."""
+    head = tail[0]
+    others = [list(b) for b in head.stats.get("branches") or []]
+    current = head.stats.get("branch", len(others))
+    every = others[:current] + [[_message_dict(m) for m in tail]] + others[current:]
+    if not others or not 0 <= k < len(every) or k == current:
+        return None
+    chosen = every.pop(k)
+    messages = [Message(d["role"], d["content"], d["reasoning"], list(d["tool_calls"]), dict(d["stats"]))
+                for d in chosen]
+    messages[0].stats["branches"] = every
+    messages[0].stats["branch"] = k
+    return messages

@@ -228,3 +228,33 @@ def test_rename_dialog_and_delete_prompt_show_whole_words(chat_window):
     conversations.refresh(conv.id)
     conversations.delete(conv.id)
     assert asked == [long]
+
+
+def test_edit_keeps_the_earlier_branch(chat_window):
+    controller, window, client = chat_window
+    chat = window.chat
+    client.words = ["Rome."]
+    chat.send("Capital of Italy?")
+    answer(chat)
+    client.words = ["It is old."]
+    chat.send("Tell me more.")
+    answer(chat)
+    chat.edit(0)
+    chat.input.setPlainText("Capital of Spain?")
+    client.words = ["Madrid."]
+    chat.send()
+    answer(chat)
+    assert [m.content for m in chat.messages] == ["Capital of Spain?", "Madrid."]
+    assert "edit 2 of 2" in chat.view.toPlainText()
+    chat._link(QUrl("ninfer:branch/0/0"))  # back to the first branch, all of it
+    assert [m.content for m in chat.messages] == ["Capital of Italy?", "Rome.", "Tell me more.", "It is old."]
+    assert "edit 1 of 2" in chat.view.toPlainText()
+    stored = controller.store.messages(chat.conversation.id)
+    assert [m.content for m in stored] == [m.content for m in chat.messages]
+    chat._link(QUrl("ninfer:branch/0/1"))
+    assert [m.content for m in chat.messages] == ["Capital of Spain?", "Madrid."]
+    client.words = ["Spain is sunny."]
+    chat.send("And the weather?")
+    answer(chat)
+    assert [m["content"] for m in client.requests[-1]["messages"]] == ["Capital of Spain?", "Madrid.",
+                                                                        "And the weather?"]
