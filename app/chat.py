@@ -84,8 +84,7 @@ class ChatPanel(TranscriptActions, QWidget):
         self.model_label = QLabel()
         self.model_label.setObjectName("Section")
         self.model_label.setWordWrap(True)  # a long model name or remote URL wraps instead of widening the window
-        bar.addWidget(self.model_label)
-        bar.addStretch(1)
+        bar.addWidget(self.model_label, 1)
         self.mode_buttons = QButtonGroup(self)
         self.mode_buttons.setExclusive(True)
         for mode, tip in (("chat", "Varied sampling for conversation (temperature 0.7)"),

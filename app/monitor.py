@@ -14,8 +14,8 @@ import time
 from collections import deque
 
 import pyqtgraph as pg
-from PySide6.QtCore import QTimer, Signal
-from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QScrollArea, QVBoxLayout, QWidget
 
 from app import theme
 from app.asyncutil import spawn
@@ -23,6 +23,7 @@ from app.monitor_model import HostReader, Rates, VramReader, cards, local_values
 
 HISTORY = 120  # samples (seconds)
 INTERVAL_MS = 1000
+MIN_BODY_HEIGHT = 600  # cards and plots keep a readable size; below it the panel scrolls
 
 
 class _Stat(QFrame):
@@ -33,12 +34,13 @@ class _Stat(QFrame):
         layout.setContentsMargins(12, 8, 12, 8)
         t = self.title = QLabel(title)
         t.setObjectName("Muted")
+        t.setWordWrap(True)
         self.value = QLabel("—")
-        self.value.setStyleSheet("font-size: 16pt; font-weight: 700;")
+        self.value.setStyleSheet("font-size: 15pt; font-weight: 700;")
+        self.value.setWordWrap(True)
         self.detail = QLabel("")
         self.detail.setObjectName("Muted")
         self.detail.setWordWrap(True)
-        self.detail.setMinimumHeight(self.detail.fontMetrics().lineSpacing() * 2)
         layout.addWidget(t)
         layout.addWidget(self.value)
         layout.addWidget(self.detail)
@@ -72,7 +74,17 @@ class MonitorPanel(QWidget):
     def _build(self) -> None:
         c = theme.colors()
         pg.setConfigOptions(antialias=True, foreground=c["plot_fg"], background=c["plot_bg"])
-        layout = QVBoxLayout(self)
+        outer = QVBoxLayout(self)
+        outer.setContentsMargins(0, 0, 0, 0)
+        scroll = QScrollArea()  # in a small window the panel scrolls instead of squeezing its cards and plots
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QFrame.Shape.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        outer.addWidget(scroll)
+        body = QWidget()
+        body.setMinimumHeight(MIN_BODY_HEIGHT)
+        scroll.setWidget(body)
+        layout = QVBoxLayout(body)
         head = QHBoxLayout()
         title = QLabel("Monitor")
         title.setObjectName("Section")

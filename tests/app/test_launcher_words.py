@@ -136,10 +136,16 @@ def test_after_the_weights_it_says_what_is_happening(launcher):
 
 
 def clipped(window) -> list[str]:
-    """Visible labels and buttons narrower than their text needs (text cut off)."""
+    """Visible labels and buttons smaller than their text needs (text cut off): too narrow, or a wrapped label
+    too short for its lines."""
     out = []
     for widget in window.findChildren(QLabel) + window.findChildren(QPushButton):
-        if not widget.isVisibleTo(window) or not widget.text() or (isinstance(widget, QLabel) and widget.wordWrap()):
+        if not widget.isVisibleTo(window) or not widget.text():
+            continue
+        if isinstance(widget, QLabel) and widget.wordWrap():
+            need = widget.heightForWidth(widget.width())
+            if need > widget.height() + 1:
+                out.append(f"QLabel {widget.text()[:40]!r}: height {widget.height()} < {need}")
             continue
         need = (widget.sizeHint() if isinstance(widget, QPushButton) else widget.minimumSizeHint()).width()
         if widget.width() < need - 1:  # (a styled button's minimum size hint leaves out its padding)
