@@ -96,6 +96,8 @@ class BackendMixin:
         log.info("mode is now %s", self.mode)
 
     def _poll_mode(self) -> None:
+        if self.remote and self.mode is None:
+            return  # another server without NInfer's mode switch: nothing to follow
         if self.client is not None and not self._mode_polling and not self.quitting:
             self._mode_polling = True
             spawn(self._read_mode(self.client), "poll-mode")
