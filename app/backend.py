@@ -104,6 +104,7 @@ class BackendMixin:
 
     async def _read_mode(self, client: ApiClient) -> None:
         """Another client may have switched the mode (PUT /ninfer/v1/settings): show what is in force."""
+        epoch = self._mode_epoch
         try:
             data = await client.settings()
         except Exception as e:  # the server is restarting or gone: keep what is shown
@@ -111,13 +112,14 @@ class BackendMixin:
             return
         finally:
             self._mode_polling = False
-        if client is not self.client:
-            return
+        if client is not self.client or epoch != self._mode_epoch:
+            return  # another client now, or this app switched the mode while the answer was on its way
         mode, sampling = (data.get("mode"), data.get("sampling")) if data else (None, None)
         if (mode, sampling) != (self.mode, self.sampling):
             self._set_mode_from(data)
 
     def _set_mode_from(self, data: dict | None) -> None:
+        self._mode_epoch = self._mode_epoch + 1  # a poll already under way is now stale
         self.mode = data.get("mode") if data else None
         self.sampling = data.get("sampling") if data else None
         self.mode_changed.emit(self.mode, self.sampling)

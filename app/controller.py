@@ -73,6 +73,7 @@ class Controller(BackendMixin, QObject):
         self._mode_timer.timeout.connect(self._poll_mode)
         self._mode_timer.start()
         self._mode_polling = False
+        self._mode_epoch = 0  # counts mode changes shown, so a poll answered before one is dropped
         self.state_changed.connect(self._refresh_views)
         self.mode_changed.connect(lambda *_: self.state_changed.emit())
 
