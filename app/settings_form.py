@@ -127,7 +127,7 @@ class SettingEditor(QWidget):
         return text if text or not s.nullable else None
 
     def set_value(self, value: Any) -> None:
-        s, w = self.setting, self.widget
+        w = self.widget
         if isinstance(w, QCheckBox):
             w.setChecked(bool(value) if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes", "on"))
         elif isinstance(w, QComboBox):
