@@ -1,0 +1,120 @@
+"""One table of tool-call formats and tool_choice values, through all three APIs (chat completions, responses,
+messages), streamed and not: the streamed fragments rebuild the non-streamed answer (per call: id, type and name
+once, arguments concatenating to the same JSON), read with the official SDKs."""
+import json
+
+import anthropic
+import openai
+import pytest
+
+from tests.api.scripted import scripted_server
+
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": PARAMS}}
+RESP_TOOL = {"type": "function", "name": "get_weather", "description": "Weather", "parameters": PARAMS}
+MSG_TOOL = {"name": "get_weather", "description": "Weather", "input_schema": PARAMS}
+FORMATS = {
+    "hermes": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "qwen3_coder_xml": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                       "</tool_call>",
+    "bare_json": '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    "fenced_json": 'Sure:\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    "mistral_args": '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+    "two_calls": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                 '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+}
+CHOICES = ["auto", "required", "named", "none"]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def scripted(default_engine):
+    with scripted_server(default_engine) as running:
+        yield running
+
+
+def expected_calls(fmt: str, choice: str) -> list[tuple[str, dict]]:
+    if choice == "none":
+        return []
+    cities = ["Paris", "Oslo"] if fmt == "two_calls" else ["Paris"]
+    return [("get_weather", {"city": c}) for c in cities]
+
+
+def rebuilt(pieces: dict[int, dict]) -> list[tuple[str, dict]]:
+    """Calls from streamed fragments, checking that id, type and name came exactly once per call."""
+    calls = []
+    for index in sorted(pieces):
+        p = pieces[index]
+        assert len(p["ids"]) == 1 and len(p["names"]) == 1 and len(p["types"]) <= 1, p
+        calls.append((p["names"][0], json.loads("".join(p["args"]))))
+    return calls
+
+
+def _piece(pieces, index):
+    return pieces.setdefault(index, {"ids": [], "names": [], "types": [], "args": []})
+
+
+def chat(base_url, fmt, choice):
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else choice
+    kwargs = dict(model="scripted", messages=USER, tools=[CHAT_TOOL], tool_choice=tool_choice)
+    r = client.chat.completions.create(**kwargs)
+    whole = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls or []]
+    pieces = {}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            p = _piece(pieces, tc.index)
+            p["ids"] += [tc.id] if tc.id else []
+            p["types"] += [tc.type] if tc.type else []
+            p["names"] += [tc.function.name] if tc.function.name else []
+            p["args"].append(tc.function.arguments or "")
+    return whole, rebuilt(pieces), r.choices[0].finish_reason
+
+
+def responses(base_url, fmt, choice):
+    client = openai.OpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+    tool_choice = {"type": "function", "name": "get_weather"} if choice == "named" else choice
+    kwargs = dict(model="scripted", input="Weather in Paris?", tools=[RESP_TOOL], tool_choice=tool_choice)
+    r = client.responses.create(**kwargs)
+    whole = [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
+    pieces = {}
+    for ev in client.responses.create(stream=True, **kwargs):
+        if ev.type == "response.output_item.added" and ev.item.type == "function_call":
+            p = _piece(pieces, ev.output_index)
+            p["ids"].append(ev.item.call_id)
+            p["names"].append(ev.item.name)
+        elif ev.type == "response.function_call_arguments.delta":
+            pieces[ev.output_index]["args"].append(ev.delta)
+    return whole, rebuilt(pieces), r.status
+
+
+def messages(base_url, fmt, choice):
+    client = anthropic.Anthropic(base_url=base_url, api_key="x", max_retries=0)
+    tool_choice = {"type": "tool", "name": "get_weather"} if choice == "named" else {
+        "auto": {"type": "auto"}, "required": {"type": "any"}, "none": {"type": "none"}}[choice]
+    kwargs = dict(model="scripted", max_tokens=256, messages=USER, tools=[MSG_TOOL], tool_choice=tool_choice)
+    r = client.messages.create(**kwargs)
+    whole = [(b.name, b.input) for b in r.content if b.type == "tool_use"]
+    pieces = {}
+    with client.messages.stream(**kwargs) as stream:
+        for ev in stream:
+            if ev.type == "content_block_start" and ev.content_block.type == "tool_use":
+                p = _piece(pieces, ev.index)
+                p["ids"].append(ev.content_block.id)
+                p["names"].append(ev.content_block.name)
+            elif ev.type == "content_block_delta" and ev.delta.type == "input_json_delta":
+                pieces[ev.index]["args"].append(ev.delta.partial_json)
+    return whole, rebuilt(pieces), r.stop_reason
+
+
+@pytest.mark.parametrize("api", [chat, responses, messages], ids=["chat", "responses", "messages"])
+@pytest.mark.parametrize("choice", CHOICES)
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_and_tool_choice_through_every_api(scripted, api, choice, fmt):
+    scripted.engine.script = FORMATS[fmt]
+    whole, streamed, finish = api(scripted.base_url, fmt, choice)
+    assert whole == streamed == expected_calls(fmt, choice)
+    called = bool(whole)
+    assert finish == {chat: "tool_calls" if called else "stop", responses: "completed",
+                      messages: "tool_use" if called else "end_turn"}[api]
