@@ -14,7 +14,7 @@ import time
 from collections import deque
 
 import pyqtgraph as pg
-from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtCore import QSize, Qt, QTimer, Signal
 from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QScrollArea, QVBoxLayout, QWidget
 
 from app import theme
@@ -23,7 +23,7 @@ from app.monitor_model import HostReader, Rates, VramReader, cards, local_values
 
 HISTORY = 120  # samples (seconds)
 INTERVAL_MS = 1000
-MIN_BODY_HEIGHT = 600  # cards and plots keep a readable size; below it the panel scrolls
+MIN_BODY_HEIGHT = 440  # cards and plots keep a readable size; below it the panel scrolls
 
 
 class _Stat(QFrame):
@@ -36,7 +36,7 @@ class _Stat(QFrame):
         t.setObjectName("Muted")
         t.setWordWrap(True)
         self.value = QLabel("—")
-        self.value.setStyleSheet("font-size: 15pt; font-weight: 700;")
+        self.value.setStyleSheet("font-size: 13pt; font-weight: 700;")
         self.value.setWordWrap(True)
         self.detail = QLabel("")
         self.detail.setObjectName("Muted")
@@ -48,6 +48,14 @@ class _Stat(QFrame):
     def set(self, value: str, detail: str = "") -> None:
         self.value.setText(value)
         self.detail.setText(detail)
+
+
+class _Plot(pg.PlotWidget):
+    """A plot that asks for a modest size: the panel's scroll area sizes its body from the size hints, and
+    pyqtgraph's own (640 x 480) would make the body taller than the window."""
+
+    def sizeHint(self) -> QSize:  # noqa: N802 (Qt's name)
+        return QSize(300, 160)
 
 
 class MonitorPanel(QWidget):
@@ -134,6 +142,8 @@ class MonitorPanel(QWidget):
         grid.addWidget(self.plot_tps, 0, 0)
         grid.addWidget(self.plot_kv, 0, 1)
         grid.addWidget(self.plot_vram, 1, 0, 1, 2)
+        grid.setRowStretch(0, 1)
+        grid.setRowStretch(1, 1)
         layout.addLayout(grid, 1)
 
     def restyle(self) -> None:
@@ -151,7 +161,7 @@ class MonitorPanel(QWidget):
                 curve.setPen(pg.mkPen(c[key], width=2))
 
     def _plot(self, title: str, names: list[tuple[str, str]]) -> pg.PlotWidget:
-        w = pg.PlotWidget()
+        w = _Plot()
         self.titles[w] = (title, names)
         self._title(w)
         w.showGrid(x=True, y=True, alpha=0.15)
