@@ -39,6 +39,10 @@ class PageList(list):
         super().__init__(pages)
         self.page_size = page_size
 
+    def __getitem__(self, index):
+        got = super().__getitem__(index)
+        return PageList(got, self.page_size) if isinstance(index, slice) else got  # a slice is a page table too
+
     def grow(self, pool, num_tokens: int) -> bool:
         self.page_size = pool.page_size
         missing = pool.pages_for(num_tokens) - len(self)
@@ -63,7 +67,7 @@ class PageList(list):
         return [self[p // ps] * ps + p % ps for p in range(start, start + n)]
 
     def seq_slice(self, q_start: int, n: int, ctx: int, device) -> SeqSlice:
-        held = self[: -(-ctx // self.page_size)]
+        held = list.__getitem__(self, slice(0, -(-ctx // self.page_size)))
         pages = torch.tensor(held, dtype=torch.long, device=device)
         # consecutive page ids are read as one view of the cache on the CPU (KVCache.gather)
         run = held[-1] - held[0] == len(held) - 1 and held == list(range(held[0], held[-1] + 1))

@@ -8,10 +8,11 @@ forward. So:
   slot. When drafts are rejected, the checkpoint goes back into the sequence's slot and the sequence rewinds to the
   step's start: the next step recomputes the kept tokens (their KV is rewritten with the same values). One spare
   slot per speculating sequence, not one per draft token (a Qwen3.5-27B state is ~147 MiB);
-- prefix reuse: after each page boundary a sequence computes, the state there is saved as a snapshot keyed like the
-  prefix cache's pages (engine.kv.prefix.page_key over the tokens so far). Admission may reuse cached KV pages only
-  as deep as the deepest snapshot among them; the snapshot is copied into the new sequence's slot. A cached prefix
-  without a snapshot is recomputed, and counted (state_snapshot_misses) and logged, never silently used;
+- prefix reuse: at the deepest page boundary each step reaches, the state there is saved as a snapshot keyed like
+  the prefix cache's pages (engine.kv.prefix.page_key over the tokens so far); a sequence keeps only its deepest
+  one. Admission may reuse cached KV pages only as deep as the deepest snapshot among them; the snapshot is copied
+  into the new sequence's slot. A cached prefix without a snapshot is recomputed, and counted
+  (state_snapshot_misses) and logged, never silently used;
 - snapshots are kept in slots of the same pool, at most `max_snapshots`, least recently used evicted first; idle
   snapshots give way to running sequences (they count as free for admission)."""
 from __future__ import annotations
@@ -74,12 +75,14 @@ class SeqState:
     verify: tuple[int, int] | None = None  # this step verifies drafts: (its start, tokens computed)
     saves: list[tuple[int, int]] = field(default_factory=list)  # this step: save the state after token i to slot
     snaps: list[tuple[int, bytes, int]] = field(default_factory=list)  # this step: (position, key, slot)
+    snapshot: bytes | None = None  # the key of the deepest snapshot this sequence left
 
 
 class StateMemory:
     def __init__(self, pool: StatePool, page_size: int, max_snapshots: int = 0):
         self.pool, self.page_size, self.max_snapshots = pool, page_size, max_snapshots
         self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self._pending = 0  # snapshot slots taken for the step running now, stored or freed after it
         self.counters = dict(state_snapshot_hits=0, state_snapshot_misses=0, state_snapshots_taken=0,
                              state_rollbacks=0)
 
@@ -153,27 +156,39 @@ class StateMemory:
         if not self.max_snapshots:
             return
         ps = self.page_size
-        for pos in range(-(-(start + 1) // ps) * ps, min(start + n, len(seq.tokens)) + 1, ps):
-            key = self._key(seq, pos // ps)
-            if key in self._snapshots:
-                self._snapshots.move_to_end(key)
-                continue
-            slot = self._snapshot_slot()
-            if slot is not None:
-                st.saves.append((pos - start - 1, slot))
-                st.snaps.append((pos, key, slot))
+        pos = min(start + n, len(seq.tokens)) // ps * ps  # the deepest page boundary of known tokens this step
+        if pos <= start:
+            return
+        key = self._key(seq, pos // ps)
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+            return
+        slot = self._snapshot_slot()
+        if slot is not None:
+            st.saves.append((pos - start - 1, slot))
+            st.snaps.append((pos, key, slot))
 
     def _snapshot_slot(self) -> int | None:
-        if len(self._snapshots) >= self.max_snapshots and self._snapshots:
-            return self._snapshots.popitem(last=False)[1]  # the least recently used snapshot's slot, reused
-        return self.pool.allocate() if self.pool.num_free > 1 else None  # one slot stays for admissions
+        """A slot for a new snapshot within the budget: a free one, or the least recently used snapshot's."""
+        if len(self._snapshots) + self._pending >= self.max_snapshots:
+            if not self._snapshots:
+                return None
+            slot = self._snapshots.popitem(last=False)[1]
+        else:
+            slot = self.pool.allocate() if self.pool.num_free else None
+        self._pending += slot is not None
+        return slot
 
     def computed(self, seq) -> None:
-        """After the step: snapshots of positions the sequence kept are stored; the others' slots freed."""
+        """After the step: a snapshot of a position the sequence kept is stored, replacing the sequence's shallower
+        one (a later request reuses the deepest prefix it shares); others' slots are freed."""
         st = seq.memory.state
+        self._pending -= len(st.snaps)
         for pos, key, slot in st.snaps:
             if pos <= seq.num_computed and key not in self._snapshots:
-                self._snapshots[key] = slot
+                if st.snapshot in self._snapshots:
+                    self.pool.free([self._snapshots.pop(st.snapshot)])
+                self._snapshots[key], st.snapshot = slot, key
                 self.counters["state_snapshots_taken"] += 1
             else:
                 self.pool.free([slot])
@@ -196,6 +211,7 @@ class StateMemory:
         st = seq.memory.state
         if st is None:
             return
+        self._pending -= len(st.snaps)
         self.pool.free([st.slot, *([st.checkpoint] if st.checkpoint is not None else []),
                         *(slot for _, _, slot in st.snaps)])
         seq.memory.state = None

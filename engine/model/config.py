@@ -13,7 +13,30 @@ HF_ARCHS = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3_5ForCausalLM": "qwen35",
 }
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated-DeltaNet layers of a hybrid (config.json linear_*): key heads serve value heads in groups."""
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -35,6 +58,8 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     name: str = ""
     layer_kinds: tuple[str, ...] = ()  # per layer: "attention" or "recurrent" (engine/memory/specs.py); () = all attention
+    linear: LinearAttentionConfig | None = None  # the recurrent (Gated-DeltaNet) layers' shape, for hybrids
+    partial_rotary: float = 1.0  # the share of each head's dims RoPE rotates (Qwen3.5: the first quarter)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -52,6 +77,12 @@ class ModelConfig:
             problems.append(f"layer_kinds {self.layer_kinds} must name one of {LAYER_KINDS} per layer")
         elif "attention" not in self.layer_kinds:
             problems.append("at least one layer must be an attention layer")
+        n = self.linear
+        if n is not None and (min(n.num_k_heads, n.num_v_heads, n.head_k_dim, n.head_v_dim, n.conv_kernel) <= 0
+                              or n.num_v_heads % n.num_k_heads):
+            problems.append(f"linear attention {n} needs positive sizes and value heads a multiple of key heads")
+        if not 0 < self.partial_rotary <= 1 or int(self.head_dim * self.partial_rotary) % 2:
+            problems.append(f"partial_rotary_factor {self.partial_rotary} must leave an even number of rotated dims")
         if self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if problems:

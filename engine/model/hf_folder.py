@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
-from engine.model.config import HF_ARCHS, ModelConfig
+from engine.model.config import HF_ARCHS, LinearAttentionConfig, ModelConfig
 from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete
 
 
@@ -24,6 +24,9 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path} cannot be read: {e}.", "Download the model folder again.") from None
     archs = raw.get("architectures") or []
     arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
+    if arch is None and any("Moe" in a for a in archs):
+        raise ModelLoadError(f"{folder.name}: {archs[0]} is a mixture-of-experts model; this engine does not run "
+                             f"MoE layers yet.", f"Use a dense model of the family (supported: {', '.join(sorted(HF_ARCHS))}).")
     if arch is None:
         raise ModelLoadError(f"{folder.name}: architecture {archs or raw.get('model_type')} is not supported.",
                              f"Supported: {', '.join(sorted(HF_ARCHS))}.")
@@ -48,6 +51,8 @@ def read_config(folder: Path) -> ModelConfig:
             qk_norm=arch == "qwen3",
             name=folder.name,
             layer_kinds=_layer_kinds(raw.get("layer_types")),
+            linear=_linear_attention(raw),
+            partial_rotary=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: field {e} is missing or malformed.", "Download the model folder again.") from None
@@ -56,6 +61,14 @@ def read_config(folder: Path) -> ModelConfig:
 # config.json "layer_types" -> engine layer kinds (engine/memory/specs.py). Sliding-window layers run as full
 # attention, as before layer types were read (no model the registry supports uses a window).
 LAYER_TYPES = {"full_attention": "attention", "sliding_attention": "attention", "linear_attention": "recurrent"}
+
+
+def _linear_attention(raw: dict) -> LinearAttentionConfig | None:
+    if "linear_num_value_heads" not in raw:
+        return None
+    return LinearAttentionConfig(int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"]),
+                                 int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"]),
+                                 int(raw.get("linear_conv_kernel_dim", 4)))
 
 
 def _layer_kinds(types) -> tuple[str, ...]:
@@ -93,6 +106,7 @@ def load_folder(folder: Path, progress: Progress | None = None,
         except Exception as e:
             raise ModelLoadError(f"{folder}: tensor {key} cannot be read ({e}).",
                                  "The file is truncated or damaged; download it again.") from None
+        key = key.replace("model.language_model.", "model.", 1)  # a multimodal checkpoint's text model
         storage[key] = str(t.dtype).removeprefix("torch.")
         tensors[key] = t.float()
     if cfg.tie_embeddings:

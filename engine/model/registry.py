@@ -13,6 +13,7 @@ MODELS: dict[str, str | type] = {
     "llama": "engine.model.llama:LlamaModel",
     "qwen2": "engine.model.llama:LlamaModel",
     "qwen3": "engine.model.llama:LlamaModel",
+    "qwen35": "engine.model.qwen35:Qwen35Model",  # Gated-DeltaNet hybrids
 }
 
 

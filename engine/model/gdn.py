@@ -1,0 +1,100 @@
+"""A Gated-DeltaNet decoder layer (the linear-attention layers of Qwen3.5 / Qwen3-Next hybrids), computing over the
+state pool: each sequence's conv window and delta-rule state live in its slot (engine/memory/state.py).
+
+Per token: in_proj_qkv -> causal depthwise conv (kernel K, SiLU) -> q, k (L2-normed, q scaled by Dk^-0.5, each key
+head serving HV / HK consecutive value heads), v; beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) in
+float32; the gated delta rule (engine/model/delta_rule.py: chunked over a prompt, recurrent for one token); a gated
+RMSNorm (plain weight) times silu(z); out_proj. Then the gated MLP, as in the attention layers."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.memory.specs import RecurrentSpec, StateTensor
+from engine.model import delta_rule
+from engine.model.batch import ForwardBatch
+from engine.model.config import ModelConfig
+from engine.model.layers import rms_norm, silu_and_mul
+from engine.model.linear import Linear, fuse
+
+
+def gdn_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of one GDN layer under HF names (Qwen3_5 flat projections)."""
+    n, h = cfg.linear, cfg.hidden_size
+    a = p + "linear_attn."
+    return {a + "in_proj_qkv.weight": (n.conv_dim, h), a + "in_proj_z.weight": (n.value_dim, h),
+            a + "in_proj_b.weight": (n.num_v_heads, h), a + "in_proj_a.weight": (n.num_v_heads, h),
+            a + "conv1d.weight": (n.conv_dim, 1, n.conv_kernel), a + "dt_bias": (n.num_v_heads,),
+            a + "A_log": (n.num_v_heads,), a + "norm.weight": (n.head_v_dim,), a + "out_proj.weight": (h, n.value_dim)}
+
+
+class GDNLayer:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, activation_dtype: str):
+        n, a = cfg.linear, prefix + "linear_attn."
+        self.cfg, self.n = cfg, n
+        self.input_norm, self.post_norm = w[prefix + "input_layernorm.weight"], w[prefix + "post_attention_layernorm.weight"]
+        # one GEMM for the four input projections: [qkv | z | b | a]
+        self.in_proj = Linear(fuse([w[a + "in_proj_qkv.weight"], w[a + "in_proj_z.weight"], w[a + "in_proj_b.weight"],
+                                    w[a + "in_proj_a.weight"]]))
+        self.conv = w[a + "conv1d.weight"].reshape(n.conv_dim, n.conv_kernel).float()
+        self.dt_bias = w[a + "dt_bias"].float()
+        self.neg_a = -w[a + "A_log"].float().exp()
+        self.norm = w[a + "norm.weight"].float()
+        self.out = Linear(w[a + "out_proj.weight"])
+        self.gate_up = Linear(fuse([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]]))
+        self.down = Linear(w[prefix + "mlp.down_proj.weight"])
+        self.cache_spec = RecurrentSpec((StateTensor("conv", (n.conv_dim, n.conv_kernel - 1), activation_dtype),
+                                         StateTensor("ssm", (n.num_v_heads, n.head_k_dim, n.head_v_dim), "float32")))
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ordinal: int, batch: ForwardBatch,
+                rotary=None, rope_tables=None) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg, n = self.cfg, self.n
+        residual = x if residual is None else residual + x
+        h = rms_norm(residual, self.input_norm, cfg.rms_eps)
+        proj = self.in_proj(h)
+        qkv, z, b, a = proj.split([n.conv_dim, n.value_dim, n.num_v_heads, n.num_v_heads], dim=-1)
+        beta = b.float().sigmoid()
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        state = batch.state.layers[ordinal]
+        mixed = torch.empty(qkv.shape[0], n.value_dim, dtype=torch.float32, device=qkv.device)
+        for s in batch.seqs:
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            mixed[rows] = self._sequence(qkv[rows], g[rows], beta[rows], state, s.state, s.saves)
+        o = rms_norm(mixed.view(-1, n.num_v_heads, n.head_v_dim), self.norm, cfg.rms_eps)
+        o = (o * F.silu(z.float().view_as(o))).reshape(-1, n.value_dim).to(x.dtype)
+        residual = residual + self.out(o)
+        h = rms_norm(residual, self.post_norm, cfg.rms_eps)
+        return self.down(silu_and_mul(self.gate_up(h))), residual
+
+    def _sequence(self, qkv, g, beta, state, slot: int, saves) -> torch.Tensor:
+        """One sequence's tokens from its slot's state (written back), saving the state after the tokens `saves`
+        names (i, slot) into those slots; [T, HV * Dv] float32."""
+        conv_state, ssm = state["conv"][slot], state["ssm"][slot].float()
+        outs, start = [], 0
+        for end in sorted({i + 1 for i, _ in saves} | {qkv.shape[0]}):
+            x, conv_state = delta_rule.causal_conv(qkv[start:end].float(), self.conv, conv_state)
+            o, ssm = self._delta(x, g[start:end], beta[start:end], ssm)
+            outs.append(o)
+            for i, dst in saves:
+                if i + 1 == end:
+                    state["conv"][dst].copy_(conv_state)
+                    state["ssm"][dst].copy_(ssm)
+            start = end
+        state["conv"][slot].copy_(conv_state)
+        state["ssm"][slot].copy_(ssm)
+        return torch.cat(outs).reshape(qkv.shape[0], -1)
+
+    def _delta(self, x, g, beta, ssm):
+        """The gated delta rule over conv outputs x [T, 2 Dk HK + Dv HV]: outputs [T, HV, Dv] and the new state."""
+        n = self.n
+        q, k, v = x.split([n.key_dim, n.key_dim, n.value_dim], dim=-1)
+        rep = n.num_v_heads // n.num_k_heads
+        q, k = (_l2norm(t.view(-1, n.num_k_heads, n.head_k_dim)).repeat_interleave(rep, dim=1) for t in (q, k))
+        q = q * n.head_k_dim ** -0.5
+        v = v.view(-1, n.num_v_heads, n.head_v_dim)
+        rule = delta_rule.recurrent if x.shape[0] == 1 else delta_rule.chunked
+        return rule(q, k, v, g, beta, ssm)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

@@ -1,0 +1,88 @@
+"""Qwen3.5-class Gated-DeltaNet hybrids (Qwen3_5ForCausalLM): linear-attention (GDN) layers with a recurrent state
+(engine/model/gdn.py) and gated full-attention layers over the paged KV cache, as config.json's layer_types list
+them (3 GDN : 1 attention in the published models).
+
+Gated attention: q_proj gives each head [query | gate]; per-head zero-centred RMSNorm on q and k; RoPE on the first
+`partial_rotary` share of each head's dims; attention; times sigmoid(gate); o_proj. Every RMSNorm of the model is
+zero-centred (scale 1 + w), but the GDN output norm, which is plain: the (1 + w) is folded into the weights at load."""
+from __future__ import annotations
+
+import torch
+
+from engine.memory.specs import AttentionSpec
+from engine.model.batch import ForwardBatch
+from engine.model.config import ModelConfig
+from engine.model.gdn import GDNLayer, gdn_shapes
+from engine.model.layers import Rotary, paged_attention, rms_norm, silu_and_mul
+from engine.model.linear import Linear, fuse
+from engine.model.llama import LlamaModel
+from engine.model.weights import LoadedWeights
+
+
+def _zero_centred(name: str) -> bool:
+    return name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight",
+                          "k_norm.weight")) or name == "model.norm.weight"
+
+
+class GatedAttentionLayer:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
+        p = prefix + "self_attn."
+        self.cfg = cfg
+        self.input_norm, self.post_norm = w[prefix + "input_layernorm.weight"], w[prefix + "post_attention_layernorm.weight"]
+        self.qkv = Linear(fuse([w[p + "q_proj.weight"], w[p + "k_proj.weight"], w[p + "v_proj.weight"]]))
+        self.o = Linear(w[p + "o_proj.weight"])
+        self.q_norm, self.k_norm = w[p + "q_norm.weight"], w[p + "k_norm.weight"]
+        self.rotated = int(cfg.head_dim * cfg.partial_rotary)
+        self.gate_up = Linear(fuse([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]]))
+        self.down = Linear(w[prefix + "mlp.down_proj.weight"])
+        self.cache_spec = AttentionSpec(cfg.num_kv_heads, cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ordinal: int, batch: ForwardBatch,
+                rotary: Rotary, rope_tables=None) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        hd, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        residual = x if residual is None else residual + x
+        h = rms_norm(residual, self.input_norm, cfg.rms_eps)
+        qg, k, v = self.qkv(h).split([2 * hq * hd, hkv * hd, hkv * hd], dim=-1)
+        qg = qg.view(-1, hq, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(-1, hq * hd)
+        q = rms_norm(q, self.q_norm, cfg.rms_eps)
+        k = rms_norm(k.view(-1, hkv, hd), self.k_norm, cfg.rms_eps)
+        qk = torch.cat((q, k), dim=1)
+        r = self.rotated
+        qk = torch.cat((rotary(qk[..., :r].contiguous(), batch.positions, batch.max_position, rope_tables),
+                        qk[..., r:]), dim=-1)
+        q, k = qk.split([hq, hkv], dim=1)
+        attn = paged_attention(q.contiguous(), k.contiguous(), v.view(-1, hkv, hd), ordinal, batch, hd ** -0.5)
+        x = self.o(attn.reshape(-1, hq * hd) * torch.sigmoid(gate))
+        residual = residual + x
+        h = rms_norm(residual, self.post_norm, cfg.rms_eps)
+        return self.down(silu_and_mul(self.gate_up(h))), residual
+
+
+class Qwen35Model(LlamaModel):
+    def __init__(self, weights: LoadedWeights, dtype: torch.dtype, device: torch.device, weight_format: str = "",
+                 keep_native: bool = False):
+        tensors = {n: (1.0 + t.float()) if _zero_centred(n) else t for n, t in weights.tensors.items()}
+        super().__init__(LoadedWeights(weights.config, tensors, weights.source_format, weights.storage), dtype,
+                         device, weight_format, keep_native)
+        cfg = self.cfg
+        self.rotary = Rotary(int(cfg.head_dim * cfg.partial_rotary), cfg.rope_theta, cfg.rope_scaling, None, device)
+
+    @classmethod
+    def layer_shapes(cls, kind: str, cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                  p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                  p + "mlp.down_proj.weight": (h, inter)}
+        if kind == "recurrent":
+            return shapes | gdn_shapes(cfg, p)
+        a, hd = p + "self_attn.", cfg.head_dim
+        return shapes | {a + "q_proj.weight": (2 * cfg.num_heads * hd, h), a + "k_proj.weight": (cfg.kv_size, h),
+                         a + "v_proj.weight": (cfg.kv_size, h), a + "o_proj.weight": (h, cfg.q_size),
+                         a + "q_norm.weight": (hd,), a + "k_norm.weight": (hd,)}
+
+    def make_layer(self, kind: str, cfg: ModelConfig, w: dict, prefix: str):
+        if kind == "recurrent":
+            return GDNLayer(cfg, w, prefix, str(self.dtype).removeprefix("torch."))
+        return GatedAttentionLayer(cfg, w, prefix)
