@@ -216,7 +216,7 @@ def thinking_effort(thinking: dict | None) -> str | None:
     if thinking is None:
         return None
     kind = thinking.get("type")
-    if kind not in _THINKING_EFFORT:
+    if not isinstance(kind, str) or kind not in _THINKING_EFFORT:
         raise _bad(f"thinking.type must be enabled, adaptive or disabled, not {kind!r}.", "thinking.type")
     return _THINKING_EFFORT[kind]
 

@@ -37,7 +37,9 @@ class ResponseTools:
     offered: dict[str, Offered] = field(default_factory=dict)  # model-facing name -> what it stands for
     omitted: list[str] = field(default_factory=list)  # hosted tool types left out
 
-    def model_name(self, name: str, namespace: str | None = None) -> str:
+    def model_name(self, name: Any, namespace: Any = None) -> str:
+        if not isinstance(name, str) or not (namespace is None or isinstance(namespace, str)):
+            raise APIError(400, "A call's name and namespace must be strings.", param="input")
         return joined(namespace, name) if namespace else name
 
     def output_item(self, call_id: str, name: str, arguments: str, item_id: str) -> dict:
@@ -89,7 +91,9 @@ def _function(t: dict) -> dict:
 def read_tools(tools: list[dict] | None) -> ResponseTools:
     out = ResponseTools()
 
-    def offer(fn: dict, tool: Offered) -> None:
+    def offer(fn: dict, tool: Offered, where: str) -> None:
+        if not isinstance(fn.get("name"), str) or not isinstance(tool.name, str):
+            raise APIError(400, f"{where}.name must be a string: the tool's name.", param=f"{where}.name")
         out.chat.append({"type": "function", "function": fn})
         out.offered[fn["name"]] = tool
 
@@ -97,12 +101,12 @@ def read_tools(tools: list[dict] | None) -> ResponseTools:
         where = f"tools[{i}]"
         kind = t.get("type") if isinstance(t, dict) else None
         if kind == "function":
-            offer(_function(t), Offered("function", t.get("name")))
+            offer(_function(t), Offered("function", t.get("name")), where)
         elif kind == "custom":
-            offer(_custom_function(t, where), Offered("custom", t.get("name")))
+            offer(_custom_function(t, where), Offered("custom", t.get("name")), where)
         elif kind == LOCAL_SHELL:
             offer({"name": LOCAL_SHELL, "description": "Runs a command on the user's computer and returns its "
-                   "output.", "parameters": _LOCAL_SHELL_PARAMS}, Offered(LOCAL_SHELL, LOCAL_SHELL))
+                   "output.", "parameters": _LOCAL_SHELL_PARAMS}, Offered(LOCAL_SHELL, LOCAL_SHELL), where)
         elif kind == "namespace":
             ns = t.get("name")
             if not isinstance(ns, str) or not ns:
@@ -114,10 +118,12 @@ def read_tools(tools: list[dict] | None) -> ResponseTools:
                     raise APIError(400, f"{where}.tools[{j}] has type {sub_kind!r}; a namespace holds function and "
                                         f"custom tools.", param=f"{where}.tools[{j}].type")
                 fn = _function(sub) if sub_kind == "function" else _custom_function(sub, f"{where}.tools[{j}]")
-                fn["name"] = joined(ns, str(sub.get("name")))
+                if not isinstance(sub.get("name"), str):
+                    raise APIError(400, f"{where}.tools[{j}].name must be a string.", param=f"{where}.tools[{j}].name")
+                fn["name"] = joined(ns, sub["name"])
                 if note:
                     fn["description"] = f"{fn.get('description', '')} ({ns}: {note})".strip()
-                offer(fn, Offered(sub_kind, sub.get("name"), ns))
+                offer(fn, Offered(sub_kind, sub["name"], ns), f"{where}.tools[{j}]")
         elif isinstance(kind, str):
             out.omitted.append(kind)
         else:

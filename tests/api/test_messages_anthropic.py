@@ -302,3 +302,11 @@ def test_hosted_tools_are_left_out_and_reported(scripted):
             WEATHER, {"type": "web_search_20250305", "name": "web_search"}]})
     assert r.status_code == 200 and r.headers["x-ninfer-omitted-tools"] == "web_search"
     assert "get_weather" in r.request.content.decode()
+
+
+def test_malformed_fields_are_400s_not_crashes(scripted):
+    with httpx.Client(base_url=scripted.base_url, timeout=30) as c:
+        for extra in ({"thinking": {"type": ["enabled"]}}, {"tool_choice": {"type": "tool"}},
+                      {"system": [{"type": "image"}]}, {"messages": [{"role": "user", "content": 5}]}):
+            r = c.post("/v1/messages", json={"model": "scripted", "max_tokens": 4, "messages": USER, **extra})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text

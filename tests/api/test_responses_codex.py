@@ -195,3 +195,16 @@ def test_unknown_items_and_bad_efforts_are_clear_400s(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="scripted", input="x", reasoning={"effort": "extreme"})
     assert e.value.body["param"] == "reasoning.effort"
+
+
+def test_malformed_tools_and_calls_are_400s_not_crashes(scripted):
+    with httpx.Client(base_url=scripted.base_url, timeout=30) as c:
+        for body, param in [
+            ({"tools": [{"type": "function", "name": ["x"]}]}, "tools[0].name"),
+            ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": 3}]}]},
+             "tools[0].tools[0].name"),
+            ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "namespace": 5, "arguments": "{}"}]},
+             "input"),
+        ]:
+            r = c.post("/v1/responses", json={"model": "scripted", "input": "x", **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
