@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Screenshots of the desktop app for the README: starts the app under Xvfb (a real X server, no monitor needed)
 # with the embedded default model, drives a short chat, and saves PNGs of the launcher, the chat mid-answer, the
-# monitor and more into docs/screenshots/ (or the folder given).
+# monitor and more, also at 800 x 600, into docs/screenshots/ (or the folder given).
 #
 #   scripts/screenshots.sh [OUT_DIR]
 #
