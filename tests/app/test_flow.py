@@ -219,6 +219,19 @@ def test_api_key_and_lan_from_the_server_panel(started):
     wait_until(lambda: s.api_key is None and controller.client.endpoint.api_key is None
                and panel.apply_note.text() == "Applied.", 20_000)
     assert httpx.get(s.url + "/models", timeout=10).status_code == 200
+    port = s.port  # the network at the same port: the app's own listener steps aside first
+    panel.key.setText("sk-lan-456")
+    panel.lan.setChecked(True)
+    panel.apply()
+    wait_until(lambda: s.host == "0.0.0.0" and panel.apply_note.text() == "Applied.", 20_000)
+    assert s.port == port and s.serving
+    assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10,
+                     headers={"Authorization": "Bearer sk-lan-456"}).status_code == 200
+    panel.lan.setChecked(False)
+    panel.key.setText("")
+    panel.apply()
+    wait_until(lambda: s.host == "127.0.0.1" and s.api_key is None and panel.apply_note.text() == "Applied.", 20_000)
+    assert s.port == port and httpx.get(s.url + "/models", timeout=10).status_code == 200
 
 
 class _FakeOpenAI:
