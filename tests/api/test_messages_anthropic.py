@@ -310,3 +310,12 @@ def test_malformed_fields_are_400s_not_crashes(scripted):
                       {"system": [{"type": "image"}]}, {"messages": [{"role": "user", "content": 5}]}):
             r = c.post("/v1/messages", json={"model": "scripted", "max_tokens": 4, "messages": USER, **extra})
             assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_host_check_refusal_has_anthropic_shape(scripted):
+    with httpx.Client(base_url=scripted.base_url, timeout=30) as c:
+        r = c.post("/v1/messages", headers={"Host": "attacker.example"},
+                   json={"model": "scripted", "max_tokens": 4, "messages": USER})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        r = c.post("/v1/chat/completions", headers={"Host": "attacker.example"}, json={})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed"
