@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from app.estimate import MemoryEstimate, ModelInfo, estimate, model_info
 from app.settings_model import Effective, Preset, effective, shown
-from app.wording import model_name
+from app.wording import label as field_label, model_name
 
 LEVELS = ("ok", "info", "warning", "error")
 
@@ -142,7 +142,7 @@ def validate(form: Mapping[str, Any], model: str | None, preset: Preset | None, 
         value = "(hidden)" if o.setting.secret else o.raw
         v.checks.append(Check(
             "warning", "environment",
-            f"{o.variable}={value} is set in the environment and overrides {o.setting.name}"
+            f"{o.variable}={value} is set in the environment and overrides “{field_label(o.setting.name)}”"
             + (f" (the form says {shown(form_value)})" if not o.setting.secret else "") + ".",
             f"Unset {o.variable} before starting NInfer (check your shell profile and system environment) "
             f"to use the form's value."))

@@ -88,7 +88,7 @@ def test_environment_overrides_are_shown_and_bad_ones_block(launcher, qtbot):
     w.form.set_values({})
     w.env = {"NINFER_MAX_CONCURRENCY": "3"}
     warnings = checks(w, "warning")
-    assert any("NINFER_MAX_CONCURRENCY=3" in c.message and "overrides max_concurrency" in c.message for c in warnings)
+    assert any("NINFER_MAX_CONCURRENCY=3" in c.message and "overrides “Conversations at once”" in c.message for c in warnings)
     assert w.validation.settings.max_concurrency == 3
     assert w.start_button.isEnabled()
     w.env = {"NINFER_MAX_CONCURRENCY": "lots"}
