@@ -371,7 +371,7 @@ def test_validate_tools_accepts_good_requests():
     ([{"type": "retrieval", "function": {"name": "x"}}], None, "type must be \"function\""),
     ([{"type": "function"}], None, "function must be an object"),
     ([{"type": "function", "function": {"name": "has space"}}], None, "function.name"),
-    ([{"type": "function", "function": {"name": "x" * 65}}], None, "function.name"),
+    ([{"type": "function", "function": {"name": "x" * 129}}], None, "function.name"),
     ([{"type": "function", "function": {"name": 3}}], None, "function.name"),
     ([{"type": "function", "function": {"name": "f", "parameters": "object"}}], None, "parameters"),
     ([WEATHER, WEATHER], None, "more than one tool"),
