@@ -142,7 +142,7 @@ def _qwen35_27b_like() -> ModelShape:
 
 
 def _gguf_shape(path: Path) -> ModelShape:
-    from engine.model.registry import supported
+    from engine.model.config import GGUF_ARCHS
     from engine.model.gguf_file import _field, open_gguf, read_config
 
     reader = open_gguf(path)
@@ -151,7 +151,7 @@ def _gguf_shape(path: Path) -> ModelShape:
     kinds = sorted({t.tensor_type.name for t in reader.tensors})
     fmt = f"GGUF {'/'.join(kinds)}"
     arch = _field(reader, "general.architecture")
-    if arch in supported():
+    if arch in GGUF_ARCHS:
         return ModelShape.from_config(read_config(reader, path), stored_bytes=stored, stored_format=fmt,
                                       source="gguf", params=params)
 

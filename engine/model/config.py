@@ -7,6 +7,8 @@ from engine.errors import ModelLoadError
 from engine.memory.specs import LAYER_KINDS
 from engine.model.registry import check_supported
 
+# The architectures (engine.model.registry) whose GGUF files engine/model/gguf_file.py reads.
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
 # The names HF config.json files give the architectures engine.model.registry implements.
 HF_ARCHS = {
     "LlamaForCausalLM": "llama",

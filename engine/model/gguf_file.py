@@ -12,8 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.errors import ModelLoadError
-from engine.model.config import ModelConfig
-from engine.model.registry import supported
+from engine.model.config import GGUF_ARCHS, ModelConfig
 from engine.model.linear import INT4_GROUP, TERNARY_GROUP, is_linear
 from kernels.quant import from_gguf, quantize_int4, quantize_int8, quantize_ternary
 from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete, expected_shapes
@@ -81,9 +80,9 @@ def _field(reader: GGUFReader, key: str, default=None):
 
 def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in supported():
+    if arch not in GGUF_ARCHS:
         raise ModelLoadError(f"{path.name}: architecture '{arch}' is not supported.",
-                             f"Supported GGUF architectures: {', '.join(supported())}.")
+                             f"Supported GGUF architectures: {', '.join(GGUF_ARCHS)}.")
 
     def need(key):
         value = _field(reader, f"{arch}.{key}")

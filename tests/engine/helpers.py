@@ -189,7 +189,7 @@ def make_engine(model_or_runner, *, num_pages: int = 16, max_concurrency: int = 
     runner = model_or_runner if isinstance(model_or_runner, ModelRunner) else make_runner(model_or_runner, num_pages)
     ctx = max_context or runner.pool.num_pages * runner.pool.page_size
     return Engine(runner, max_concurrency=max_concurrency, prefill_chunk=prefill_chunk, max_context=ctx,
-                  eos_ids=frozenset(eos_ids)).start()
+                  eos_ids=frozenset(eos_ids), max_shared_prefixes=0).start()
 
 
 def pages_for(n_tokens: int, pool) -> list[int]:

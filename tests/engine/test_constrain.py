@@ -265,7 +265,7 @@ def test_preemption_keeps_constrained_outputs(default_engine, tok):
     assert all(64 < len(p) + len(o) <= 128 for p, o in zip(prompts, alone)), [len(p) + len(o)
                                                                                for p, o in zip(prompts, alone)]
     runner = ModelRunner(default_engine.engine.runner.model, 4, torch.float32, 64)
-    engine = Engine(runner, max_concurrency=4, prefill_chunk=512, max_context=256,
+    engine = Engine(runner, max_concurrency=4, prefill_chunk=512, max_context=256, max_shared_prefixes=0,
                     eos_ids=tok.eos_token_ids).start()
     try:
         results = run_concurrently(engine, prompts, [params] * 4)

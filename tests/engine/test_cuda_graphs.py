@@ -108,7 +108,7 @@ def test_windowed_sequences_decode_eagerly_with_the_eager_tokens(model, one_thre
 
     def generate(static: bool):
         runner = ModelRunner(model, 40, torch.float32, PAGE, host_pages=16, static_decode=static)
-        engine = Engine(runner, max_concurrency=1, prefill_chunk=128, max_context=1024, kv_window=128,
+        engine = Engine(runner, max_concurrency=1, prefill_chunk=128, max_context=1024, kv_window=128, max_shared_prefixes=0,
                         kv_retrieve=512).start()
         try:
             tokens = [o.token_ids for o in engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0.0))]

@@ -2,7 +2,6 @@
 context limits."""
 from __future__ import annotations
 
-import inspect
 import random
 import threading
 import time
@@ -68,7 +67,7 @@ def test_forced_preemption_keeps_outputs(default_engine, one_by_one):
     preempt and recompute, and the outputs stay those of the requests run one by one."""
     prompts, sequential = one_by_one
     runner = ModelRunner(default_engine.engine.runner.model, 4, torch.float32, 64)
-    engine = Engine(runner, max_concurrency=4, prefill_chunk=512, max_context=256).start()
+    engine = Engine(runner, max_concurrency=4, prefill_chunk=512, max_context=256, max_shared_prefixes=0).start()
     try:
         concurrent = run_concurrently(engine, prompts, [greedy(32)] * 4)
         wait_idle(engine)
@@ -286,9 +285,9 @@ def test_random_aborts_return_every_page(tiny_runner):
                 aborted_in_prefill.append(seq.request_id)
                 engine.abort(seq.request_id)
 
-    room = {"max_queue": 128} if "max_queue" in inspect.signature(Engine).parameters else {}  # all 100 may wait
+    room = {"max_queue": 128}  # all 100 may wait
     engine = Engine(_HookedRunner(runner, before_step), max_concurrency=4, prefill_chunk=16,
-                    max_context=640, **room).start()
+                    max_context=640, **{"max_shared_prefixes": 0, **room}).start()
     try:
         reference = engine.generate(probe, greedy(8))
         start_free = runner.pool.num_free

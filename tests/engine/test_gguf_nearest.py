@@ -89,10 +89,11 @@ def test_a_k_quant_file_runs_low_bit_and_matches_its_decoding(mixed_gguf, caplog
     assert layer.down.weight.format == "int8"  # kept (not requantized to the majority's int4)
     oracle = LlamaModel(LoadedWeights(dense.config, dict(dense.tensors), "gguf"), torch.float32, torch.device("cpu"))
     from tests.engine.helpers import make_runner
+    from engine.kv.table import PageList
     from engine.runner import Work
     ids = list(range(3, 40))
-    a = make_runner(ours).run([Work(ids, 0, list(range(4)), "all")])[0]
-    b = make_runner(oracle).run([Work(ids, 0, list(range(4)), "all")])[0]
+    a = make_runner(ours).run([Work(ids, 0, PageList(range(4)), "all")])[0]
+    b = make_runner(oracle).run([Work(ids, 0, PageList(range(4)), "all")])[0]
     assert rel(a, b) < 3e-2  # the CPU low-bit kernels compute with bf16 activations
     requantized = LlamaModel(native, torch.float32, torch.device("cpu"), "int4")  # without keep_native
     assert requantized.layers[0].down.weight.format == "int4_asym"

@@ -7,6 +7,7 @@ import torch
 
 from engine.kv.cache import KVCache
 from engine.kv.pages import PagePool
+from engine.kv.table import PageList
 from engine.runner import Work
 from tests.engine.helpers import make_runner
 
@@ -59,7 +60,7 @@ def test_runner_reads_consecutive_pages_in_place_and_others_by_copy(tiny_models,
     monkeypatch.setattr(KVCache, "gather", spy)
     prompt = list(range(5, 5 + 2 * runner.page_size + 3))  # three pages, the last one partial
     outs = []
-    for pages, first in (([4, 5, 6], 4), ([4, 6, 7], None)):
+    for pages, first in ((PageList([4, 5, 6]), 4), (PageList([4, 6, 7]), None)):
         seen.clear()
         prefill = runner.run([Work(prompt, 0, pages, "last")])[0]
         decode = runner.run([Work([7], len(prompt), pages, "last")])[0]

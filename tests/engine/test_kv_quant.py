@@ -419,7 +419,7 @@ def bench_kv_dtypes(prompt_tokens: int = 512, gen_tokens: int = 64, repeat: int 
           f"{gen_tokens} generated, median of {repeat}")
     for name in ALL:
         runner = ModelRunner(loaded.engine.runner.model, 1024 // PAGE_SIZE, kv_arg(name), PAGE_SIZE)
-        engine = Engine(runner, max_concurrency=1, prefill_chunk=512, max_context=1024)
+        engine = Engine(runner, max_concurrency=1, prefill_chunk=512, max_context=1024, max_shared_prefixes=0)
         try:
             with LoadMeter() as load:
                 r = bench_engine(dataclasses.replace(loaded, engine=engine), prompt, gen_tokens, repeat)

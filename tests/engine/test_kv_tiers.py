@@ -101,7 +101,8 @@ def tiny(tmp_path_factory):
 
 def _engine(model, *, num_pages=64, host_pages=0, kv_dtype=torch.float32, chunk=128, concurrency=2, **kw) -> Engine:
     runner = ModelRunner(model, num_pages, kv_dtype, PAGE, host_pages=host_pages)
-    return Engine(runner, max_concurrency=concurrency, prefill_chunk=chunk, max_context=4000, **kw).start()
+    return Engine(runner, max_concurrency=concurrency, prefill_chunk=chunk, max_context=4000,
+                  **{"max_shared_prefixes": 0, **kw}).start()
 
 
 def _generate(engine: Engine, prompt, n=32) -> list[int]:

@@ -21,7 +21,8 @@ QUESTION = "\nWhat is the pass key? The pass key is"
 def _engine(loaded, *, num_pages: int, host_pages: int = 0, max_context: int = 4096, **kw) -> Engine:
     runner = ModelRunner(loaded.engine.runner.model, num_pages, loaded.engine.runner.kv.kv_dtype, 64,
                          host_pages=host_pages)
-    return Engine(runner, max_concurrency=1, prefill_chunk=512, max_context=max_context, **kw).start()
+    return Engine(runner, max_concurrency=1, prefill_chunk=512, max_context=max_context,
+                  **{"max_shared_prefixes": 0, **kw}).start()
 
 
 def _run(engine: Engine, ids: list[int], n: int) -> tuple[list[int], dict]:

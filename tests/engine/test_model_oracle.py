@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.kv.table import PageList
 from engine.runner import Work
 from engine.sampling import SamplingParams
 from tests.engine.helpers import (PAGE, hf_greedy, hf_logits, make_engine, make_runner, random_prompt,
@@ -41,7 +42,7 @@ def test_prefill_and_each_decode_step_match_transformers(tiny_models, variant):
     hf, folder = tiny_models(variant)
     runner = make_runner(folder, num_pages=8)
     prompt = prompt_for(variant, 60)
-    pages = [5, 0, 3]  # out of order on purpose; decode crosses from the first page into the second
+    pages = PageList([5, 0, 3])  # out of order on purpose; decode crosses from the first page into the second
     ours = runner.run([Work(prompt, 0, pages, "all")])[0]
     with torch.no_grad():
         out = hf(torch.tensor([prompt]), use_cache=True)
@@ -109,18 +110,18 @@ def test_chunked_prefill_in_the_runner_equals_one_shot(tiny_models, variant, chu
     hf, folder = tiny_models(variant)
     runner = make_runner(folder, num_pages=8)
     prompt = prompt_for(variant, 150, salt=4)
-    one_shot = runner_logits(runner, prompt, pages=[6, 1, 4])
-    chunked = runner_logits(runner, prompt, chunks=chunks, pages=[2, 7, 0])
+    one_shot = runner_logits(runner, prompt, pages=PageList([6, 1, 4]))
+    chunked = runner_logits(runner, prompt, chunks=chunks, pages=PageList([2, 7, 0]))
     assert rel_err(chunked, one_shot) <= 1e-5
     assert torch.equal(chunked.argmax(-1), one_shot.argmax(-1))
     assert rel_err(one_shot, hf_logits(hf, prompt)) <= TOL
     # the KV cache the chunks left behind decodes like the one-shot one
     tok = int(one_shot[-1].argmax())
-    a = runner.run([Work([tok], 150, [6, 1, 4], "last")])[0]
-    b = runner.run([Work([tok], 150, [2, 7, 0], "last")])[0]
+    a = runner.run([Work([tok], 150, PageList([6, 1, 4]), "last")])[0]
+    b = runner.run([Work([tok], 150, PageList([2, 7, 0]), "last")])[0]
     assert rel_err(b, a) <= 1e-5
     # as the engine runs them: no logits until the last chunk, which asks for its last row only
-    start, pages = 0, [3, 5, 2]
+    start, pages = 0, PageList([3, 5, 2])
     while start < len(prompt):
         n = min(chunks[0] if len(chunks) == 1 else chunks[(start // 7) % len(chunks)], len(prompt) - start)
         last = start + n == len(prompt)
@@ -135,7 +136,7 @@ def test_mixed_batch_equals_separate_runs(tiny_models):
     hf, folder = tiny_models("qwen2")
     runner = make_runner(folder, num_pages=12)
     a, b, c = prompt_for("qwen2", 100, 5), prompt_for("qwen2", 30, 6), prompt_for("qwen2", 70, 7)
-    pa, pb, pc = [0, 1], [2], [3, 4]
+    pa, pb, pc = PageList([0, 1]), PageList([2]), PageList([3, 4])
     # c: prefill its first 69 tokens alone, so that its last token is a decode step in the batch
     runner.run([Work(c[:69], 0, pc, None)])
     # a: first 40 tokens alone, the rest (a chunk starting mid-page) in the batch

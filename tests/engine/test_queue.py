@@ -14,7 +14,7 @@ def test_submit_beyond_concurrency_plus_queue_is_refused_then_accepted_again(tmp
     _, folder = tiny_hf_model("llama", tmp_path)
     _, weights = load_weights(folder)
     runner = ModelRunner(LlamaModel(weights, torch.float32, torch.device("cpu")), 32, torch.float32)
-    engine = Engine(runner, max_concurrency=1, prefill_chunk=64, max_context=512, max_queue=1).start()
+    engine = Engine(runner, max_concurrency=1, prefill_chunk=64, max_context=512, max_queue=1, max_shared_prefixes=0).start()
     try:
         long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
         a = engine.submit([1, 2, 3], long)

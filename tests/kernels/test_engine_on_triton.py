@@ -96,7 +96,7 @@ def test_windowed_decode_runs_the_kernel_over_sink_retrieved_and_window_pages(tm
 
     def generate():
         runner = ModelRunner(model, 40, kv_dtype, 64, host_pages=16)
-        engine = Engine(runner, max_concurrency=1, prefill_chunk=128, max_context=1024, kv_window=128,
+        engine = Engine(runner, max_concurrency=1, prefill_chunk=128, max_context=1024, kv_window=128, max_shared_prefixes=0,
                         kv_retrieve=512).start()
         try:
             return [o.token_ids for o in engine.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0))]
