@@ -46,7 +46,9 @@ state (conv_kernel - 1) x conv_dim in bf16. Qwen3.5-27B: 48 linear layers, 48 va
 conv_dim 2 x 16 x 128 + 48 x 128 = 10,240 (config.json fields linear_num_value_heads, linear_num_key_heads,
 linear_key_head_dim, linear_value_head_dim, linear_conv_kernel_dim; the same defaults as Modular MAX's
 Qwen3_5Config) = 144 MiB + 2.8 MiB per sequence in fp32, 72 MiB + 2.8 MiB in fp16. ``ModelShape.state_bytes``
-overrides it.
+overrides it. The state line counts the slots the engine allocates (engine.memory.geometry.state_slots): one per
+sequence, one more per sequence with speculative decoding (the checkpoint a rejected draft rolls back to), and one
+prefix snapshot per sequence while prefix reuse is on.
 
 KV pool and host tier
 ---------------------
