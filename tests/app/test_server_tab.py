@@ -115,8 +115,8 @@ def test_server_choices_and_window_size_survive_a_restart(served, app_home, requ
     panel.port.setValue(free_port())
     panel.apply()
     wait_until(lambda: panel.apply_note.text() == "Applied.", 10_000)
-    window.resize(720, 560)  # (within the offscreen screen's 800 x 600)
-    wait_until(lambda: window.width() == 720, 2000)
+    window.resize(780, 570)  # (within the offscreen screen's 800 x 600)
+    wait_until(lambda: window.width() == 780, 2000)
     window.hide()
     from app.appconfig import AppConfig
     saved = AppConfig(controller.config.path)
@@ -130,7 +130,7 @@ def test_server_choices_and_window_size_survive_a_restart(served, app_home, requ
         again.service = FakeService()
         again._connect_local = lambda s: run_nothing()
         again.show_main()
-        assert (again.window.width(), again.window.height()) == (720, 560)
+        assert (again.window.width(), again.window.height()) == (780, 570)
         assert again.launcher.width() == controller.launcher.width()
     finally:
         again.quitting = True
