@@ -23,7 +23,8 @@ _EFFORT = {"none": "none", "minimal": "minimal", "low": "low", "medium": "medium
 
 
 class Reasoning(_Open):
-    effort: str | None = None  # none, minimal, low, medium, high, xhigh; summary is accepted and ignored
+    effort: str | None = None  # none, minimal, low, medium, high, xhigh
+    summary: str | None = None  # auto, concise, detailed: the reasoning comes as the reasoning item's summary
 
 
 class ResponsesRequest(_Open):

@@ -1,5 +1,7 @@
 """The answer of POST /v1/responses: a `response` object, or its server-sent events. Items are streamed one after
-another (the one in progress is done before the next starts): reasoning (`response.reasoning_text.delta/done`),
+another (the one in progress is done before the next starts): reasoning (`response.reasoning_text.delta/done`, or,
+when the request asks for a reasoning summary, the reasoning as its summary: `response.reasoning_summary_part.added`,
+`response.reasoning_summary_text.delta/done`, `response.reasoning_summary_part.done`),
 a message (`response.content_part.added`, `response.output_text.delta/done`, `response.content_part.done`), and
 one item per tool call: `function_call` (`response.function_call_arguments.delta/done`), `custom_tool_call`
 (`response.custom_tool_call_input.delta/done`) or `local_shell_call`, each between
@@ -34,6 +36,8 @@ class ResponseReply:
         self.status, self.incomplete = "in_progress", None
         self.seq = 0
         self._open: dict | None = None  # the reasoning or message item being streamed
+        # reasoning.summary asked for: the model's reasoning is given as the summary (what Codex shows by default)
+        self.as_summary = req.reasoning is not None and req.reasoning.summary not in (None, "none")
 
     def response(self) -> dict:
         out_tokens, cached = self.usage["completion_tokens"][0], self.usage["cached_tokens"][0]
@@ -70,7 +74,13 @@ class ResponseReply:
         if item is None:
             return
         idx = self.output.index(item)
-        if item["type"] == "reasoning":
+        if item["type"] == "reasoning" and self.as_summary:
+            part = item["summary"][0]
+            yield self._event("response.reasoning_summary_text.done", item_id=item["id"], output_index=idx,
+                              summary_index=0, text=part["text"])
+            yield self._event("response.reasoning_summary_part.done", item_id=item["id"], output_index=idx,
+                              summary_index=0, part=part)
+        elif item["type"] == "reasoning":
             yield self._event("response.reasoning_text.done", item_id=item["id"], output_index=idx, content_index=0,
                               text=item["content"][0]["text"])
         else:
@@ -85,7 +95,14 @@ class ResponseReply:
         item = self._open
         if item is None or item["type"] != kind:
             yield from self._close()
-            if kind == "reasoning":
+            if kind == "reasoning" and self.as_summary:
+                item = {"type": "reasoning", "id": new_id("rs"), "summary": [], "status": "in_progress"}
+                yield from self._add(item)
+                part = {"type": "summary_text", "text": ""}
+                item["summary"].append(part)
+                yield self._event("response.reasoning_summary_part.added", item_id=item["id"],
+                                  output_index=len(self.output) - 1, summary_index=0, part=dict(part))
+            elif kind == "reasoning":
                 item = {"type": "reasoning", "id": new_id("rs"), "summary": [],
                         "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
                 yield from self._add(item)
@@ -98,6 +115,11 @@ class ResponseReply:
                 yield self._event("response.content_part.added", item_id=item["id"], output_index=len(self.output)
                                   - 1, content_index=0, part=dict(part))
             self._open = item
+        if kind == "reasoning" and self.as_summary:
+            item["summary"][0]["text"] += text
+            yield self._event("response.reasoning_summary_text.delta", item_id=item["id"],
+                              output_index=len(self.output) - 1, summary_index=0, delta=text)
+            return
         item["content"][0]["text"] += text
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         yield self._event(name, item_id=item["id"], output_index=len(self.output) - 1, content_index=0, delta=text)

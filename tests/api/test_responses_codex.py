@@ -158,6 +158,14 @@ def test_reasoning_item_streams_reasoning_text(client, scripted, monkeypatch):
         assert r.output[0].content[0].text == "Check the sky."
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert deltas == "Check the sky." and any(e.type == "response.reasoning_text.done" for e in events)
+    # with reasoning.summary (as Codex asks), the reasoning comes as the summary
+    whole, events, streamed = both(client, model="scripted", input="Weather?", reasoning={"summary": "auto"})
+    for r in (whole, streamed):
+        assert r.output[0].summary[0].text == "Check the sky." and not r.output[0].content
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_summary_text.delta")
+    kinds = [e.type for e in events]
+    assert deltas == "Check the sky." and "response.reasoning_text.delta" not in kinds
+    assert kinds.index("response.reasoning_summary_part.added") < kinds.index("response.reasoning_summary_part.done")
 
 
 def test_a_cut_call_stays_a_call_and_the_response_is_incomplete(client, scripted):
