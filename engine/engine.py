@@ -270,7 +270,8 @@ class Engine:
             for callback in self.on_first_token:
                 callback(seq.first_token_at - seq.arrival)
         out = RequestOutput(seq.request_id, tokens, prompt_tokens=len(seq.prompt), completion_tokens=len(seq.output),
-                            logprobs=logprobs if seq.params.logprobs is not None else None)
+                            logprobs=logprobs if seq.params.logprobs is not None else None,
+                            cached_tokens=seq.cached_tokens)
         if seq.spec is not None:
             out.spec_drafted, out.spec_accepted = seq.spec.drafted, seq.spec.accepted
         if seq.finish_reason:  # counted before it leaves the running list: a reader sees it running or counted

@@ -78,8 +78,11 @@ class Scheduler:
                 budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_concurrency:
             seq = self.waiting[0]
-            if not self.memory.admit(seq, recompute=self._readmit.get(id(seq)) is seq):
+            recompute = self._readmit.get(id(seq)) is seq
+            if not self.memory.admit(seq, recompute=recompute):
                 break
+            if not recompute:
+                seq.cached_tokens = seq.num_computed
             self._readmit.pop(id(seq), None)
             self.waiting.popleft()
             seq.status = Status.RUNNING

@@ -39,6 +39,7 @@ class RequestOutput:
     error: str | None = None
     spec_drafted: int = 0  # speculative decoding, so far for this request: tokens drafted, and accepted
     spec_accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache (not computed)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Sequence:
     finish_reason: str | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache at its first admission
     generator: torch.Generator = field(init=False)
     spec: object | None = None  # engine.spec.speculator.SpecState while speculative decoding runs
 

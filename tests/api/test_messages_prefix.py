@@ -28,3 +28,4 @@ def test_a_resent_conversation_reuses_its_prefix(server, default_engine):
     assert prompt == first.usage.input_tokens + first.usage.cache_read_input_tokens
     # all but the last, partly filled page of the prompt comes from the cache
     assert reused >= prompt - 64 and reused > 0
+    assert second.usage.cache_read_input_tokens == reused  # the engine reports each request's reused tokens
