@@ -121,7 +121,11 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     fmt = weight_format(c.weight_dtype, weights)
     wdtype = pick_dtype("auto" if fmt or c.weight_dtype == "auto" else c.weight_dtype, dev)
     kdtype = pick_kv_dtype(c.kv_dtype, dev)
-    net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto")
+    if c.gdn_state_fp16 and "recurrent" not in cfg.layer_kinds:
+        raise NInferError(f"--gdn-state-fp16 stores the recurrent state of Gated-DeltaNet layers in fp16, but "
+                          f"{path.name} ({cfg.arch}) has no such layers.", "Drop --gdn-state-fp16 for this model.")
+    options = {"state_fp16": True} if c.gdn_state_fp16 else {}
+    net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto", **options)
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights

@@ -4,7 +4,11 @@ state pool: each sequence's conv window and delta-rule state live in its slot (e
 Per token: in_proj_qkv -> causal depthwise conv (kernel K, SiLU) -> q, k (L2-normed, q scaled by Dk^-0.5, each key
 head serving HV / HK consecutive value heads), v; beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) in
 float32; the gated delta rule (engine/model/delta_rule.py: chunked over a prompt, recurrent for one token); a gated
-RMSNorm (plain weight) times silu(z); out_proj. Then the gated MLP, as in the attention layers."""
+RMSNorm (plain weight) times silu(z); out_proj. Then the gated MLP, as in the attention layers.
+
+The delta-rule state may be stored in fp16 (--gdn-state-fp16): it is read into fp32, updated in fp32 and rounded
+once per step when stored; the read-out stays fp32 up to the gated norm (an fp16 read-out overflows on long
+prompts in other engines)."""
 from __future__ import annotations
 
 import torch
@@ -29,7 +33,8 @@ def gdn_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
 
 
 class GDNLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, activation_dtype: str):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, activation_dtype: str,
+                 state_dtype: str = "float32"):
         n, a = cfg.linear, prefix + "linear_attn."
         self.cfg, self.n = cfg, n
         self.input_norm, self.post_norm = w[prefix + "input_layernorm.weight"], w[prefix + "post_attention_layernorm.weight"]
@@ -44,7 +49,7 @@ class GDNLayer:
         self.gate_up = Linear(fuse([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]]))
         self.down = Linear(w[prefix + "mlp.down_proj.weight"])
         self.cache_spec = RecurrentSpec((StateTensor("conv", (n.conv_dim, n.conv_kernel - 1), activation_dtype),
-                                         StateTensor("ssm", (n.num_v_heads, n.head_k_dim, n.head_v_dim), "float32")))
+                                         StateTensor("ssm", (n.num_v_heads, n.head_k_dim, n.head_v_dim), state_dtype)))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ordinal: int, batch: ForwardBatch,
                 rotary=None, rope_tables=None) -> tuple[torch.Tensor, torch.Tensor]:

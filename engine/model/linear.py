@@ -25,7 +25,9 @@ PREFILL_DENSE_ROWS = 64
 
 
 def is_linear(name: str) -> bool:
-    return name.endswith("_proj.weight") or name == "lm_head.weight"
+    """A weight a linear layer multiplies by (the names HF checkpoints give them), which low-bit formats store."""
+    return name.endswith("_proj.weight") or ".in_proj_" in name and name.endswith(".weight") \
+        or name == "lm_head.weight"
 
 
 def native_format(tensors: dict[str, Weight]) -> str | None:

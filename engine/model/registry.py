@@ -41,6 +41,7 @@ def model_class(arch: str) -> type:
     return entry
 
 
-def build_model(weights, dtype, device, weight_format: str = "", keep_native: bool = False):
-    """The model of `weights.config.arch` over these weights (see LlamaModel for the arguments)."""
-    return model_class(weights.config.arch)(weights, dtype, device, weight_format, keep_native)
+def build_model(weights, dtype, device, weight_format: str = "", keep_native: bool = False, **options):
+    """The model of `weights.config.arch` over these weights (see LlamaModel for the arguments; `options` are the
+    class's own, e.g. Qwen35Model's state_fp16)."""
+    return model_class(weights.config.arch)(weights, dtype, device, weight_format, keep_native, **options)

@@ -244,12 +244,12 @@ def test_several_problems_are_reported_together(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('kv_dtype = "fp61"\nkv_windw = 5\nthreads = "many"\n')
     with pytest.raises(ConfigError) as info:
-        load_settings(["--config", str(cfg), "--port", "70000", "--gdn-state-fp16"],
+        load_settings(["--config", str(cfg), "--port", "70000", "--spec", "dflash2"],
                       {"NINFER_PREFILL_CHUNK": "big", "NINFER_GREEDY": "maybe"})
     err = info.value
     assert isinstance(err, NInferError)
     needles = ["--kv-dtype fp61", "'kv_windw'", "--threads many", "--port 70000", "--prefill-chunk big",
-               "--greedy maybe", "--gdn-state-fp16 true: not available"]
+               "--greedy maybe", "--spec dflash2: not available"]
     assert len(err.problems) == len(needles)
     for needle in needles:
         one_problem_about(err.problems, needle)
@@ -318,7 +318,7 @@ def test_none_means_process_argv_and_environment(monkeypatch):
 # ---------------------------------------------------------------- features not in this version
 
 UNAVAILABLE = [  # (setting, a value this version rejects)
-    ("gdn_state_fp16", True), ("spec", "dflash2"),
+    ("spec", "dflash2"),
 ]
 
 
@@ -379,10 +379,9 @@ def test_12gb_mtp_with_unavailable_features_overridden_still_needs_ring_mode():
     assert settings.source("kv_capacity") == "flag:--kv-capacity"
 
 
-def test_rtx3060_ternary_preset_fails_listing_every_unavailable_feature():
+def test_rtx3060_ternary_preset_fails_naming_each_problem():
     problems = problems_of(["--preset", "rtx3060-ternary"])
-    assert "not available in this version" in one_problem_about(problems, "--gdn-state-fp16 true:")
-    assert not any("--prefill-cublas" in p for p in problems)  # available now
+    assert not any("--gdn-state-fp16" in p or "--prefill-cublas" in p for p in problems)  # available now
     # its window has no retrieval: refused as lossy, naming both ways out
     p = one_problem_about(problems, "--kv-window 65536 with --kv-retrieve 0")
     assert "set --kv-retrieve" in p and "--allow-lossy-window" in p

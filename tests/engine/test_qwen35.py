@@ -149,3 +149,66 @@ def test_ngram_speculation_on_a_hybrid_is_lossless(checkpoint, model):
     finally:
         loaded.engine.shutdown()
         plain.engine.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "ternary"])
+def test_low_bit_weights_run_every_linear_of_the_hybrid(checkpoint, fmt):
+    """Quantized at load, every linear of both layer kinds (GDN in/out projections, gated attention, MLP) is stored
+    low-bit and computes what its dequantized twin computes in fp32, within the bf16 rounding of activations the
+    CPU low-bit kernels use."""
+    from dataclasses import replace
+
+    from kernels.quant import QuantizedWeight, dequantize
+    from engine.model.linear import convert
+
+    weights = load_weights(checkpoint[1])[1]
+    cpu = torch.device("cpu")
+    twin = {n: dequantize(q, torch.float32) if isinstance(q := convert(n, t, fmt, torch.float32, cpu),
+                                                          QuantizedWeight) else t for n, t in weights.tensors.items()}
+    ids = tokens(40, 90)
+
+    def logits(w, fmt_):
+        model = build_model(w, torch.float32, cpu, fmt_)
+        runner = ModelRunner(model, 4, torch.float32, 64, state_slots=1)
+        return model, runner.run([Work(ids, 0, runner.pool.allocate(2), "all", SeqState(runner.state.allocate()))])[0]
+
+    model, got = logits(weights, fmt)
+    gdn, attention = model.layers[0], model.layers[3]
+    assert all(isinstance(lin.weight, QuantizedWeight) for lin in (gdn.in_proj, gdn.out, gdn.gate_up, attention.qkv,
+                                                                    attention.o))
+    _, ref = logits(replace(weights, tensors=twin), "")
+    assert ((got - ref).norm() / ref.norm()).item() < 0.02
+
+
+def test_fp16_state_on_a_long_prompt_stays_finite_and_greedy_agrees(checkpoint):
+    """--gdn-state-fp16: the state is stored in fp16 (half the state pool) and computed in fp32; over a 4,000-token
+    prompt the logits stay finite, close to the fp32 state's, and 16 greedy tokens agree."""
+    _, folder = checkpoint
+    prompt = tokens(50, 4000)
+
+    def run(fp16):
+        loaded = build_engine(folder, device="cpu", max_context=4096, max_concurrency=1, max_shared_prefixes=0,
+                              gdn_state_fp16=fp16)
+        try:
+            runner = loaded.engine.runner
+            assert runner.state.layers[0]["ssm"].dtype == (torch.float16 if fp16 else torch.float32)
+            params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=5)
+            outs = list(loaded.engine.start().submit(prompt, params))
+            return runner.state.slot_bytes, [t for o in outs for t in o.token_ids], \
+                [lp for o in outs for lp in o.logprobs]
+        finally:
+            loaded.engine.shutdown()
+
+    bytes32, tokens32, lps32 = run(False)
+    bytes16, tokens16, lps16 = run(True)
+    assert tokens16 == tokens32
+    assert all(np.isfinite(lp.logprob) for lp in lps16)
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(lps16, lps32)) < 0.05
+    assert bytes32 - bytes16 == 6 * 4 * 16 * 16 * 2  # 6 GDN layers' 4 x 16 x 16 states halve; the conv windows stay
+
+
+def test_fp16_state_is_refused_for_a_model_without_recurrent_layers(tmp_path):
+    from engine.errors import NInferError
+
+    with pytest.raises(NInferError, match="has no such layers"):
+        build_engine(None, device="cpu", max_context=256, max_concurrency=1, gdn_state_fp16=True)
