@@ -40,6 +40,7 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be between -2 and 2"),
             (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be between 0 and 20"),
+            (self.seed is None or -2**63 <= self.seed < 2**63, "seed must be a 64-bit signed integer"),
             (all(-100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias values must be between -100 and 100"),
         ]
         problems = [msg for ok, msg in checks if not ok]

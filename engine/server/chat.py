@@ -86,11 +86,11 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerState, reque
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, state, len(prompt), loaded.context_window, logprobs)
     params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, req, in_reasoning)
-    streams = submit(state, prompt, params, req.n)
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     names = tool_names_for(req.tools, req.tool_choice)
     choices = [Choice(i, loaded.tokenizer, req.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
                       tool_names=names) for i in range(req.n)]
+    streams = submit(state, prompt, params, req.n)  # last: nothing after it can fail and leave them running
     reply = _Reply(req, loaded.tokenizer, streams, choices, len(prompt))
     if req.stream:
         return StreamingResponse(reply.sse(), media_type="text/event-stream", headers=SSE_HEADERS)

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.server.chat import SSE_HEADERS, sse
 from engine.server.errors import APIError, error_body
-from engine.server.generation import (Choice, response_constraint, run_choices, sampling_params, submit,
+from engine.server.generation import (Choice, response_constraint, run_choices, sampling_params, submit_all,
                                        unless_disconnected, usage_dict)
 from engine.server.schemas import CompletionRequest
 from engine.server.state import ServerState
@@ -44,14 +44,15 @@ async def completions(req: CompletionRequest, state: ServerState, request=None):
             raise APIError(400, f"Prompt token ids must be between 0 and {tok.vocab_size - 1}.", param="prompt")
         prompts.append((p if isinstance(p, str) else tok.decode(ids), ids))
     constraint = await asyncio.to_thread(response_constraint, tok, req.response_format)
-    streams, choices, echoes = [], [], []
-    for k, (text, ids) in enumerate(prompts):
+    jobs, choices, echoes = [], [], []
+    for k, (text, ids) in enumerate(prompts):  # every prompt checked before any is submitted
         params = sampling_params(req, state, len(ids), loaded.context_window, req.logprobs, param="prompt")
         params.constraint = constraint  # a template: each engine sequence gets its own copy
-        streams += submit(state, ids, params, req.n, param="prompt")
+        jobs.append((ids, params))
         for j in range(req.n):
             choices.append(Choice(k * req.n + j, tok, req.stop_list()))
             echoes.append(text if req.echo else "")
+    streams = submit_all(state, jobs, req.n, param="prompt", count_param="prompt" if len(jobs) > 1 else "n")
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     reply = _Reply(req, tok, streams, choices, echoes, prompt_tokens)
     if req.stream:

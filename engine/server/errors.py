@@ -2,10 +2,14 @@
 (/v1/messages...) in Anthropic's: {"type": "error", "error": {"type", "message"}}, with the same statuses."""
 from __future__ import annotations
 
+import logging
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("ninfer.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
@@ -24,7 +28,13 @@ def is_anthropic(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
 
 
+def printable(text: str) -> str:
+    """Text that encodes as UTF-8: a lone surrogate (valid in a JSON string escape, not in UTF-8) shows as \\udxxx."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def anthropic_error_body(status: int, message: str) -> dict:
+    message = printable(message)
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 
@@ -48,6 +58,7 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    message, param = printable(message), None if param is None else printable(param)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
@@ -77,7 +88,37 @@ async def http_error_handler(request: Request, exc: StarletteHTTPException) -> J
                         headers=getattr(exc, "headers", None))
 
 
+class CatchAll:
+    """Pure-ASGI middleware: a failure no check foresaw still gets a 500 in the API's error shape (the traceback
+    goes to the server's log), and the connection stays usable."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watching_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except Exception as exc:
+            log.exception("request %s %s failed", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            message = (f"The server failed on this request ({type(exc).__name__}: {exc}). This is a bug in the "
+                       "server; please report it with the request that caused it.")
+            await JSONResponse(body_for(scope.get("path", ""), 500, message, "internal_error"),
+                               status_code=500)(scope, receive, send)
+
+
 def install(app) -> None:
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_middleware(CatchAll)  # the innermost middleware: inside the security checks and the request counter

@@ -131,28 +131,56 @@ class Choice:
         return ev
 
 
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
+def sibling_seed(seed: int | None, i: int) -> int | None:
+    """The seed of a request's i-th sequence: seed + i, wrapped into int64 so the last seeds stay valid."""
+    return None if seed is None else (seed + i - INT64_MIN) % 2**64 + INT64_MIN
+
+
+def check_fits(engine, sequences: int, prompts: int, param: str = "n") -> None:
+    """A 400 when a request holds more sequences than the server will ever run or queue at once (retrying
+    cannot help); the engine's own queue check (a 429) covers a server busy with other requests."""
+    running = getattr(getattr(engine, "scheduler", None), "max_concurrency", None)
+    queued = getattr(engine, "max_queue", None)
+    if not isinstance(running, int) or not isinstance(queued, int) or sequences <= running + queued:
+        return
+    what = f"{prompts} prompts x n={sequences // max(prompts, 1)}" if prompts > 1 else f"n={sequences}"
+    raise APIError(400, f"This request asks for {sequences} sequences ({what}), more than this server runs or "
+                        f"queues at once: {running + queued} (--max-concurrency {running} + --max-queue {queued}). "
+                        f"Send at most {running + queued} sequences per request, or raise --max-queue.",
+                   code="too_many_sequences", param=param)
+
+
 def submit(state: ServerState, prompt: list[int], params: SamplingParams, n: int, param: str = "messages"):
     """n engine requests for one API request (seeds seed, seed+1, ... so choices differ but stay reproducible)."""
+    return submit_all(state, [(prompt, params)], n, param)
+
+
+def submit_all(state: ServerState, jobs: list[tuple[list[int], SamplingParams]], n: int,
+               param: str = "messages", count_param: str = "n"):
+    """n engine requests per (prompt, params) job, admitted whole or not at all: when any submission fails, the
+    ones already submitted are aborted at once, so no sequence runs on for a request that got an error."""
     engine = state.ready().engine
+    check_fits(engine, len(jobs) * n, len(jobs), count_param)
     loop = asyncio.get_running_loop()
     streams = []
     try:
-        for i in range(n):
-            p = params if i == 0 else SamplingParams(**{**vars(params), "seed": None if params.seed is None
-                                                         else params.seed + i})
-            streams.append(engine.submit(prompt, p, loop=loop))
-    except ContextLengthError as e:
+        for prompt, params in jobs:
+            for i in range(n):
+                p = params if i == 0 else SamplingParams(**{**vars(params), "seed": sibling_seed(params.seed, i)})
+                streams.append(engine.submit(prompt, p, loop=loop))
+    except BaseException as e:
         for s in streams:
             s.abort()
-        raise APIError(400, str(e), code="context_length_exceeded", param=param) from None
-    except QueueFullError as e:
-        for s in streams:
-            s.abort()
-        raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
-    except NInferError as e:
-        for s in streams:
-            s.abort()
-        raise APIError(400, str(e)) from None
+        if isinstance(e, ContextLengthError):
+            raise APIError(400, str(e), code="context_length_exceeded", param=param) from None
+        if isinstance(e, QueueFullError):
+            raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
+        if isinstance(e, NInferError):
+            raise APIError(400, str(e)) from None
+        raise
     return streams
 
 

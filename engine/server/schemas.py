@@ -74,7 +74,7 @@ class SamplingFields(_Open):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     stop: Annotated[str | list[str] | None, AfterValidator(_bounded_stop)] = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # int64, as the sampler's generator takes
     n: int = Field(default=1, ge=1, le=8)
     ignore_eos: bool = False
     logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)

@@ -16,11 +16,18 @@ class ScriptedEngine:
         self.fail_after: int | None = None  # emit this many tokens, then an engine error
         self.prompts: list[list[int]] = []
         self.params = []
+        self.refuse: tuple[int, Exception] | None = None  # (n, error): accept n submissions, then raise error
+        self.hold = False  # submitted sequences say nothing until aborted
+        self.aborted: list[str] = []
 
     def submit(self, prompt, params, request_id=None, loop=None):
+        if self.refuse is not None and len(self.prompts) >= self.refuse[0]:
+            raise self.refuse[1]
         self.prompts.append(list(prompt))
         self.params.append(params)
-        stream = RequestStream(request_id or f"r{len(self.prompts)}", lambda _rid: None, loop)
+        stream = RequestStream(request_id or f"r{len(self.prompts)}", self.abort, loop)
+        if self.hold:
+            return stream
         ids = self.tokenizer.encode(self.script)[:params.max_tokens]
         if self.fail_after is not None:
             for i, t in enumerate(ids[:self.fail_after]):
@@ -35,7 +42,7 @@ class ScriptedEngine:
         return stream
 
     def abort(self, request_id):
-        pass
+        self.aborted.append(request_id)
 
     def stats(self):
         return {"running": 0, "waiting": 0}
