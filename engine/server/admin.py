@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.config import BY_NAME, ConfigError, settings_from_mapping
-from engine.server.errors import APIError
+from engine.server.errors import APIError, invalid_text_at, invalid_text_message
 from engine.server.state import ServerState
 
 SETTINGS_PATH = "/ninfer/v1/settings"
@@ -67,6 +67,9 @@ def updated_settings(state: ServerState, changes: object):
     if not changes:
         raise APIError(400, f"No settings given; the ones that can change while running are "
                             f"{', '.join(LIVE_KEYS)}.", code="invalid_request")
+    where = invalid_text_at(changes)
+    if where is not None:
+        raise APIError(400, invalid_text_message(where), code="invalid_request", param=where)
     values = {}
     for key, raw in changes.items():
         if key not in LIVE_KEYS:

@@ -33,6 +33,40 @@ def printable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def invalid_text_at(value, where: str = "") -> str | None:
+    """The path (e.g. "messages.0.content") of the first string or key in a parsed JSON value that is not valid
+    Unicode (a lone surrogate such as \\ud800, which JSON escapes allow and no tokenizer or UTF-8 output takes)."""
+    stack = [(where, value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii() and not _encodes(v):
+                return path or "body"
+        elif isinstance(v, dict):
+            items = list(v.items())
+            for k, x in reversed(items):
+                key = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and not k.isascii() and not _encodes(k):
+                    return printable(key)
+                stack.append((key, x))
+        elif isinstance(v, list):
+            stack.extend((f"{path}.{i}" if path else str(i), x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def invalid_text_message(where: str) -> str:
+    return (f"{where} holds text that is not valid Unicode (a lone surrogate such as \\ud800, which no "
+            "tokenizer can read); send it as UTF-8 text.")
+
+
 def anthropic_error_body(status: int, message: str) -> dict:
     message = printable(message)
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
@@ -72,7 +106,10 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
-    if first.get("type") == "json_invalid":
+    if first.get("type") == "invalid_text":
+        param = first.get("ctx", {}).get("where")
+        message = invalid_text_message(param)
+    elif first.get("type") == "json_invalid":
         param = None
         message = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}."
     else:

@@ -19,7 +19,7 @@ from engine.server.errors import APIError
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages_reply import MessageReply
 from engine.server.parsers import tool_names_for
-from engine.server.schemas import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, _Open
+from engine.server.schemas import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, RequestBody, _Open
 from engine.server.state import ServerState
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -27,7 +27,7 @@ OMITTED_TOOLS_HEADER = "X-NInfer-Omitted-Tools"
 _THINKING_EFFORT = {"enabled": "high", "disabled": "none", "adaptive": None}
 
 
-class MessagesRequest(_Open):
+class MessagesRequest(RequestBody):
     """Anthropic's request body; fields this server has no use for (metadata, context_management, output_config,
     service_tier, container, mcp_servers, ...) are accepted and ignored."""
     model: str

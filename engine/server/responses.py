@@ -16,7 +16,7 @@ from engine.server.messages import OMITTED_TOOLS_HEADER
 from engine.server.parsers import tool_names_for
 from engine.server.responses_input import read_input, read_tool_choice, read_tools
 from engine.server.responses_reply import ResponseReply
-from engine.server.schemas import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, _Open
+from engine.server.schemas import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, RequestBody, _Open
 from engine.server.state import ServerState
 
 _EFFORT = {"none": "none", "minimal": "minimal", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
@@ -27,7 +27,7 @@ class Reasoning(_Open):
     summary: str | None = None  # auto, concise, detailed: the reasoning comes as the reasoning item's summary
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(RequestBody):
     """Fields this server has no use for (store, include, prompt_cache_key, service_tier, client_metadata,
     text.verbosity, reasoning.summary, truncation, user, ...) are accepted and ignored."""
     model: str
