@@ -191,6 +191,10 @@ def _toml_layer(path: Path, source: str, problems: list[str]) -> Layer:
     except FileNotFoundError:
         problems.append(f"[{source}] file not found: {path}; check the path")
         return {}
+    except UnicodeDecodeError as e:  # TOML is UTF-8 text by definition
+        problems.append(f"[{source}] {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                        "save it as UTF-8")
+        return {}
     except (OSError, tomllib.TOMLDecodeError) as e:
         problems.append(f"[{source}] cannot read {path} ({e}); fix the file (TOML, keys = setting names)")
         return {}

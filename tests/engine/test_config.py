@@ -240,6 +240,17 @@ def test_bad_toml_syntax_and_missing_files(tmp_path):
     assert "file not found" in problems_of(["--config", str(tmp_path / "missing.toml")])[0]
 
 
+def test_a_config_or_preset_that_is_not_utf8_is_one_problem_naming_the_file(tmp_path):
+    cfg, preset = tmp_path / "latin1.toml", tmp_path / "preset.toml"
+    cfg.write_bytes('mode = "chat" # caf\u00e9\n'.encode("latin-1"))
+    preset.write_bytes(b"\xff\xfeport = 1\n")
+    for argv, path in ((["--config", str(cfg)], cfg), (["--preset", str(preset)], preset)):
+        problems = problems_of(argv)
+        assert len(problems) == 1, problems
+        assert str(path.resolve()) in problems[0] or str(path) in problems[0]
+        assert "not UTF-8" in problems[0] and "save it as UTF-8" in problems[0] and "\n" not in problems[0]
+
+
 def test_several_problems_are_reported_together(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('kv_dtype = "fp61"\nkv_windw = 5\nthreads = "many"\n')
