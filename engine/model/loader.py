@@ -1,6 +1,7 @@
 """Find and load a model: a GGUF file or a Hugging Face folder, or the embedded default."""
 from __future__ import annotations
 
+import stat
 import threading
 from pathlib import Path
 
@@ -17,7 +18,19 @@ def resolve_model_path(model: str | Path | None) -> Path:
         raise ModelLoadError(f"Model not found: {path}.",
                              "Pass the path of a .gguf file or of a Hugging Face model folder "
                              "(or no model, to use the embedded SmolLM2-135M-Instruct).")
+    if not path.is_dir() and not path.is_file():  # a FIFO, socket or device: reading it could block forever
+        raise ModelLoadError(f"{path} is not a regular file or folder (it is a {_kind(path)}).",
+                             "Pass the path of a .gguf file or of a Hugging Face model folder.")
     return path
+
+
+def _kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    for test, name in ((stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def load_weights(model: str | Path | None, progress: Progress | None = None,

@@ -317,3 +317,25 @@ def test_cancel(tiny, tiny_gguf, which):
         load_weights(path, progress=progress, cancel=cancel)
     assert len(seen) == 3 and seen[-1] < 1.0
     assert isinstance(LoadCancelled(), NInferError)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes need a POSIX system")
+@pytest.mark.parametrize("name", ["model.gguf", "model.bin"])
+def test_a_named_pipe_is_refused_at_once_not_read(tmp_path, name):
+    pipe = tmp_path / name
+    os.mkfifo(pipe)
+    outcome = []
+
+    def load():
+        try:
+            load_weights(pipe)
+        except Exception as e:  # noqa: BLE001 (the test reports whatever came)
+            outcome.append(e)
+
+    worker = threading.Thread(target=load, daemon=True)  # on failure, a reader blocked on the pipe is left behind
+    worker.start()
+    worker.join(5)
+    assert outcome, "loading a named pipe did not return within 5 s"
+    assert isinstance(outcome[0], ModelLoadError), outcome
+    assert "not a regular file" in str(outcome[0]) and "named pipe" in str(outcome[0]) and ".gguf" in str(outcome[0])
+
