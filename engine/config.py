@@ -14,6 +14,7 @@ import difflib
 import ipaddress
 import math
 import os
+import socket
 import sys
 import tomllib
 from dataclasses import field, make_dataclass
@@ -155,9 +156,21 @@ def is_loopback(host: str) -> bool:
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
-        return False
+        address = _ipv4_shorthand(host)
+        if address is None:
+            return False
     mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
     return (mapped or address).is_loopback
+
+
+def _ipv4_shorthand(host: str) -> ipaddress.IPv4Address | None:
+    """An IPv4 address in a form the system's resolver takes and ipaddress does not ("127.1", "0x7f.0.0.1")."""
+    if not host or any(c not in "0123456789abcdefx." for c in host):
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host))
+    except OSError:
+        return None
 
 
 def _unavailable(s: Setting, value: Any, source: str) -> str:

@@ -25,7 +25,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.ninfer = state
     state.created = int(time.time())
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if state.loaded is not None:
             return {"status": "ok"}

@@ -17,10 +17,12 @@ Anthropic's on /v1/messages).
 """
 from __future__ import annotations
 
+import contextvars
 import hmac
 import json
 
 from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
 from engine.config import is_loopback
@@ -45,13 +47,16 @@ def _header(scope, name: bytes) -> list[bytes]:
 
 
 def host_name(host_header: str) -> str:
-    """The name in a Host header, without the port: "localhost:8080" -> "localhost", "[::1]:8080" -> "::1"."""
+    """The name in a Host header, without the port: "localhost:8080" -> "localhost", "[::1]:8080" -> "::1". A header
+    that is not name[:digits] (e.g. "127.0.0.1:80@evil.com") comes back whole, so it matches no loopback name."""
     host = host_header.strip()
     if host.startswith("["):
-        return host[1:].split("]", 1)[0]
+        name, _, rest = host[1:].partition("]")
+        return name if rest == "" or (rest.startswith(":") and rest[1:].isdigit()) else host
     if host.count(":") > 1:  # a bare IPv6 address (not valid in Host, but unambiguous)
         return host
-    return host.rsplit(":", 1)[0] if ":" in host else host
+    name, sep, port = host.partition(":")
+    return name if not sep or port.isdigit() else host
 
 
 class HostCheck:
@@ -76,6 +81,30 @@ class HostCheck:
         if scope["type"] == "websocket":  # no routes use websockets; refuse before the handshake
             return await send({"type": "websocket.close", "code": 1008})
         await _send_error(send, 403, message, "host_not_allowed", path=scope.get("path", ""))
+
+
+_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("cors_path", default="")
+
+
+class _CORS(CORSMiddleware):
+    """Starlette's CORS middleware, whose refused preflights (plain text) come in the API's error shape."""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            _PATH.set(scope.get("path", ""))
+        await super().__call__(scope, receive, send)
+
+    def preflight_response(self, request_headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        what = bytes(response.body).decode("utf-8", "replace")  # e.g. "Disallowed CORS origin, method"
+        origin = request_headers.get("origin", "")
+        message = (f"The CORS preflight from origin {origin[:200]!r} was refused ({what}). This server allows the "
+                   f"origins in --cors-origins, the methods {', '.join(CORS_METHODS)} and the headers "
+                   f"{', '.join(CORS_HEADERS)}.")
+        return JSONResponse(body_for(_PATH.get(), response.status_code, message, "cors_refused"),
+                            status_code=response.status_code, headers={"Vary": "Origin"})
 
 
 class _BodyTooLarge(HTTPException):
@@ -166,7 +195,7 @@ def install(app, state) -> None:
     # add_middleware puts each new layer outside the ones before it: the innermost goes first.
     app.add_middleware(Gate, api_key=s.api_key, max_body_bytes=s.max_body_mib * 1024 * 1024, cors=bool(s.cors_origins))
     if s.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(s.cors_origins), allow_methods=list(CORS_METHODS),
+        app.add_middleware(_CORS, allow_origins=list(s.cors_origins), allow_methods=list(CORS_METHODS),
                            allow_headers=list(CORS_HEADERS))
     if is_loopback(s.host):
         app.add_middleware(HostCheck, bound=s.host)
