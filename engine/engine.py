@@ -120,11 +120,12 @@ class Engine:
             raise ContextLengthError(len(prompt), capacity, self._reach_what)
         if params.constraint is not None:  # the sequence's own grammar state, from the (untouched) template
             params = dataclasses.replace(params, constraint=params.constraint.fresh())
-        if not self._admitted.acquire(blocking=False):
-            raise QueueFullError(self.scheduler.max_concurrency + self.max_queue)
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self.abort, loop)
+        # built before a queue slot is taken: a request that fails here holds no slot
         seq = Sequence(request_id, list(prompt), params, min(self.max_context, capacity), stream.push, self.eos_ids)
+        if not self._admitted.acquire(blocking=False):
+            raise QueueFullError(self.scheduler.max_concurrency + self.max_queue)
         self._commands.put(("submit", (seq, stream)))
         return stream
 

@@ -29,3 +29,28 @@ def test_submit_beyond_concurrency_plus_queue_is_refused_then_accepted_again(tmp
         assert len(out) == 3
     finally:
         engine.shutdown()
+
+
+def test_a_request_that_fails_while_being_built_holds_no_queue_slot(tmp_path, monkeypatch):
+    """A failure between validation and queueing (here: the sequence's sampler cannot be built) gives back nothing
+    because it never took a slot: the queue's capacity stays whole."""
+    import engine.engine as engine_module
+    from engine.model.loader import load_weights
+
+    _, weights = load_weights(tiny_hf_model("llama", tmp_path)[1])
+    runner = ModelRunner(LlamaModel(weights, torch.float32, torch.device("cpu")), 32, torch.float32)
+    engine = Engine(runner, max_concurrency=1, prefill_chunk=64, max_context=512, max_queue=1, max_shared_prefixes=0)
+    real = engine_module.Sequence
+
+    def failing(*args, **kwargs):
+        raise OverflowError("cannot build the sampler")
+
+    monkeypatch.setattr(engine_module, "Sequence", failing)
+    for _ in range(5):
+        with pytest.raises(OverflowError):
+            engine.submit([1, 2, 3], SamplingParams(max_tokens=1))
+    monkeypatch.setattr(engine_module, "Sequence", real)
+    streams = [engine.submit([1, 2, 3], SamplingParams(max_tokens=1)) for _ in range(2)]  # concurrency 1 + queue 1
+    assert len(streams) == 2
+    with pytest.raises(QueueFullError):
+        engine.submit([1, 2, 3], SamplingParams(max_tokens=1))
