@@ -15,7 +15,10 @@ CLAUDE_VERSION=${CLAUDE_VERSION:-2.1.328}
 MODEL_ID=${MODEL_ID:-smollm2-135m-instruct}
 PROMPT=${PROMPT:-"Say hello in one short sentence."}
 PYTHON=${PYTHON:-python3}
-MAX_TOKENS=${MAX_TOKENS:-64}  # the answer's length: the default model on a CPU writes a few dozen tokens a second
+# the most an answer may take: Claude Code reports an answer cut at its limit as an error, so the limit sits above
+# what the default model usually writes for the prompt (it often stops within 60 tokens; sampling, it sometimes
+# runs on, and it writes a few dozen tokens a second on a CPU)
+MAX_TOKENS=${MAX_TOKENS:-256}
 AGENT_TIMEOUT=${AGENT_TIMEOUT:-600}  # seconds per agent: a CPU reads a coding agent's long system prompt slowly
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WORK=${AGENT_CHECK_DIR:-$(mktemp -d -t ninfer-agent-check.XXXXXX)}
