@@ -58,6 +58,15 @@ def server(default_engine):
         yield running
 
 
+@pytest.fixture(scope="module")
+def scripted(default_engine):
+    """A server over the scripted engine (tests/api/scripted.py), one per test module (a module may define its own)."""
+    from tests.api.scripted import scripted_server
+
+    with scripted_server(default_engine) as running:
+        yield running
+
+
 @pytest.fixture
 def http(server):
     with httpx.Client(base_url=server.base_url, timeout=60) as client:

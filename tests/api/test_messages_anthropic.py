@@ -10,18 +10,11 @@ from engine.config import load_settings
 from engine.engine import QueueFullError
 from engine.server.state import ServerState
 from tests.api.conftest import RunningServer
-from tests.api.scripted import scripted_server
 
 WEATHER = {"name": "get_weather", "description": "Weather for a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 HERMES_CALL = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 USER = [{"role": "user", "content": "Capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def scripted(default_engine):
-    with scripted_server(default_engine) as running:
-        yield running
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import httpx
 import openai
 import pytest
 
-from tests.api.scripted import scripted_server
 
 FUNCTION = {"type": "function", "name": "get_weather", "description": "Weather for a city",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -24,12 +23,6 @@ CODEX_FIELDS = dict(store=False, include=["reasoning.encrypted_content"], parall
 
 def call_text(name: str, args: dict) -> str:
     return f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def scripted(default_engine):
-    with scripted_server(default_engine) as running:
-        yield running
 
 
 @pytest.fixture

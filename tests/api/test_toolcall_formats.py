@@ -7,7 +7,6 @@ import anthropic
 import openai
 import pytest
 
-from tests.api.scripted import scripted_server
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": PARAMS}}
@@ -26,12 +25,6 @@ FORMATS = {
 }
 CHOICES = ["auto", "required", "named", "none"]
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def scripted(default_engine):
-    with scripted_server(default_engine) as running:
-        yield running
 
 
 def expected_calls(fmt: str, choice: str) -> list[tuple[str, dict]]:

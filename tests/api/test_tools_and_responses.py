@@ -4,7 +4,6 @@ import json
 import openai
 import pytest
 
-from tests.api.scripted import scripted_server
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -14,12 +13,6 @@ CALL_TEXTS = {
     "bare": '{"name": "get_weather", "arguments": {"city": "Paris"}}',
     "fenced": 'Sure:\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
 }
-
-
-@pytest.fixture(scope="module")
-def scripted(default_engine):
-    with scripted_server(default_engine) as running:
-        yield running
 
 
 @pytest.fixture

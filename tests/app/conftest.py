@@ -14,6 +14,7 @@ import os
 import socket
 
 import pytest
+from PySide6.QtWidgets import QLabel, QPushButton
 
 STARTUP_TIMEOUT_MS = 240_000  # loading the model on a busy 2-CPU machine
 
@@ -125,3 +126,21 @@ def started(qapp, qloop, app_home):
     if not controller.quitting:
         task = asyncio.ensure_future(controller.quit())
         wait_until(task.done, timeout=60_000)
+
+
+def clipped(root) -> list[str]:
+    """Visible labels and buttons smaller than their text needs (text cut off): too narrow, or a wrapped label
+    too short for its lines."""
+    out = []
+    for widget in root.findChildren(QLabel) + root.findChildren(QPushButton):
+        if not widget.isVisibleTo(root) or not widget.text():
+            continue
+        if isinstance(widget, QLabel) and widget.wordWrap():
+            need = widget.heightForWidth(widget.width())
+            if need > widget.height() + 1:
+                out.append(f"QLabel {widget.text()[:40]!r}: height {widget.height()} < {need}")
+            continue
+        need = (widget.sizeHint() if isinstance(widget, QPushButton) else widget.minimumSizeHint()).width()
+        if widget.width() < need - 1:  # (a styled button's minimum size hint leaves out its padding)
+            out.append(f"{type(widget).__name__} {widget.text()[:40]!r}: {widget.width()} < {need}")
+    return out

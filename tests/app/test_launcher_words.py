@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QWheelEvent
-from PySide6.QtWidgets import QApplication, QLabel, QPushButton
+from PySide6.QtWidgets import QApplication
 
-from tests.app.conftest import Recorder, make_controller, wait_until
+from tests.app.conftest import Recorder, clipped, make_controller, wait_until
 
 TIMEOUT = 120_000
 
@@ -133,24 +133,6 @@ def test_after_the_weights_it_says_what_is_happening(launcher):
     finally:
         w.set_loading(False)
     assert w.progress.maximum() == 1000
-
-
-def clipped(window) -> list[str]:
-    """Visible labels and buttons smaller than their text needs (text cut off): too narrow, or a wrapped label
-    too short for its lines."""
-    out = []
-    for widget in window.findChildren(QLabel) + window.findChildren(QPushButton):
-        if not widget.isVisibleTo(window) or not widget.text():
-            continue
-        if isinstance(widget, QLabel) and widget.wordWrap():
-            need = widget.heightForWidth(widget.width())
-            if need > widget.height() + 1:
-                out.append(f"QLabel {widget.text()[:40]!r}: height {widget.height()} < {need}")
-            continue
-        need = (widget.sizeHint() if isinstance(widget, QPushButton) else widget.minimumSizeHint()).width()
-        if widget.width() < need - 1:  # (a styled button's minimum size hint leaves out its padding)
-            out.append(f"{type(widget).__name__} {widget.text()[:40]!r}: {widget.width()} < {need}")
-    return out
 
 
 def test_the_launcher_fits_800x600(qapp, qloop, app_home, tmp_path):

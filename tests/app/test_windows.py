@@ -2,28 +2,10 @@
 from __future__ import annotations
 
 import pytest
-from PySide6.QtWidgets import QLabel, QPushButton
+from PySide6.QtWidgets import QLabel
 
-from tests.app.conftest import make_controller, run, wait_until
+from tests.app.conftest import clipped, make_controller, run, wait_until
 from tests.app.fakes import FakeClient, FakeService
-
-
-def clipped(root) -> list[str]:
-    """Visible labels and buttons smaller than their text needs (text cut off): too narrow, or a wrapped label
-    too short for its lines."""
-    out = []
-    for widget in root.findChildren(QLabel) + root.findChildren(QPushButton):
-        if not widget.isVisibleTo(root) or not widget.text():
-            continue
-        if isinstance(widget, QLabel) and widget.wordWrap():
-            need = widget.heightForWidth(widget.width())
-            if need > widget.height() + 1:
-                out.append(f"QLabel {widget.text()[:40]!r}: height {widget.height()} < {need}")
-            continue
-        need = (widget.sizeHint() if isinstance(widget, QPushButton) else widget.minimumSizeHint()).width()
-        if widget.width() < need - 1:  # (a styled button's minimum size hint leaves out its padding)
-            out.append(f"{type(widget).__name__} {widget.text()[:40]!r}: {widget.width()} < {need}")
-    return out
 
 
 @pytest.fixture
