@@ -45,7 +45,7 @@ def test_unknown_ninfer_variable_warns_with_suggestion(capsys, monkeypatch):
 
 
 def test_unavailable_feature_is_refused_not_ignored(capsys, monkeypatch):
-    code, _, err = run(capsys, ["--print-config"], monkeypatch, {"NINFER_GDN_STATE_FP16": "1"})
+    code, _, err = run(capsys, ["--print-config"], monkeypatch, {"NINFER_SPEC": "dflash2"})
     assert code == 2 and "not available in this version" in err
 
 
