@@ -16,19 +16,19 @@ def kv_tier_problems(v: dict[str, Any], src: dict[str, str]) -> list[str]:
 
 
 def kv_note(settings: Any, name: str) -> str:
-    window = -(-settings.kv_window // PAGE_SIZE) * PAGE_SIZE
-    ringed = settings.kv_ring != "off"
+    spec = WindowSpec.from_settings(settings)
+    window, ringed = spec.window, settings.kv_ring != "off"
     if name == "kv_window":
         if not ringed:
             return f"{window} tokens ({window // PAGE_SIZE} pages): the most one conversation holds (ring off)"
-        return f"{window} tokens ({window // PAGE_SIZE} pages) recent context on the GPU; {WindowSpec.from_settings(settings).footprint_text()}"
+        return f"{window} tokens ({window // PAGE_SIZE} pages) recent context on the GPU; {spec.footprint_text()}"
     if name == "kv_retrieve":
         if not ringed:
             return "unused with --kv-ring off"
         if settings.kv_retrieve == 0:
             return "LOSSY: context older than the window is dropped (--allow-lossy-window)"
-        pages = -(-settings.kv_retrieve // PAGE_SIZE)
-        return f"{pages} pages ({pages * PAGE_SIZE} tokens) per layer and step, chosen by Quest page bounds"
+        return (f"{spec.retrieve_pages} pages ({spec.retrieve} tokens) per layer and step, chosen by Quest page "
+                f"bounds")
     if name == "kv_reuse_hostbacked":
         return "evicted prefix pages keep a host copy; the host pool gives them up first when sequences need it"
     if name == "kv_ring":
