@@ -11,6 +11,9 @@ Public functions (same signatures as the twins in kernels/reference.py):
   rope(x, positions, cos, sin)
   silu_and_mul(x)
   paged_decode_attention(q, k_cache, v_cache, page_table, ctx_lens, scale=None, k_scale=None, v_scale=None)
+  gdn_recurrent(q, k, v, g, beta, state, slots, step_slots=None)
+  gdn_chunked(q, k, v, g, beta, state, slot)
+  causal_conv_update(x, weight, conv_state, slots)
 """
 from __future__ import annotations
 
@@ -147,3 +150,33 @@ def quest_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> tor
         from kernels.quest import quest_bounds as kernel
         return kernel(q, kmin, kmax)
     return reference.quest_bounds_ref(q, kmin, kmax)
+
+
+def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor, slots: torch.Tensor, step_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gated delta rule for B sequences of T tokens over state-pool slots (in place); o [B, T, HV, Dv] float32.
+    Twin: reference.gdn_recurrent_ref."""
+    if use_triton(q.device):
+        from kernels.gated_delta import gdn_recurrent as kernel
+        return kernel(q, k, v, g, beta, state, slots, step_slots)
+    return reference.gdn_recurrent_ref(q, k, v, g, beta, state, slots, step_slots)
+
+
+def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, slot: int) -> torch.Tensor:
+    """The gated delta rule over one sequence's T prompt tokens from state[slot] (in place); o [T, HV, Dv] float32.
+    Twin: reference.gdn_chunked_ref."""
+    if use_triton(q.device):
+        from kernels.gated_delta_chunk import gdn_chunked as kernel
+        return kernel(q, k, v, g, beta, state, slot)
+    return reference.gdn_chunked_ref(q, k, v, g, beta, state, slot)
+
+
+def causal_conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                       slots: torch.Tensor) -> torch.Tensor:
+    """One decode token's depthwise causal conv + SiLU over conv-state slots (in place); [B, C] float32.
+    Twin: reference.causal_conv_update_ref."""
+    if use_triton(x.device):
+        from kernels.gated_delta import causal_conv_update as kernel
+        return kernel(x, weight, conv_state, slots)
+    return reference.causal_conv_update_ref(x, weight, conv_state, slots)

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from kernels.quant import QuantizedWeight, dequantize
 
 __all__ = ["dequantize", "quant_linear_ref", "rms_norm_ref", "rope_ref", "rope_tables", "silu_and_mul_ref",
-           "kv_dequantize_ref", "paged_decode_attention_ref"]
+           "kv_dequantize_ref", "paged_decode_attention_ref", "gdn_recurrent_ref", "gdn_chunked_ref",
+           "causal_conv_update_ref"]
 
 
 def quant_linear_ref(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -120,3 +121,103 @@ def quest_bounds_ref(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
     qg = q.float().view(t, hkv, hq // hkv, d)
     return (torch.einsum("thgd,nhd->nthg", qg.clamp(min=0), kmax.float())
             + torch.einsum("thgd,nhd->nthg", qg.clamp(max=0), kmin.float()))
+
+
+# ---------------------------------------------------------------------------------------------------- gated delta rule
+GDN_NORM_EPS = 1e-6
+GDN_CHUNK = 64
+
+
+def _gdn_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k L2-normalised over the last dim (x * rsqrt(sum x^2 + 1e-6)), q also scaled by Dk^-0.5; float32."""
+    q, k = q.float(), k.float()
+    q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + GDN_NORM_EPS) * q.shape[-1] ** -0.5)
+    return q, k * torch.rsqrt((k * k).sum(-1, keepdim=True) + GDN_NORM_EPS)
+
+
+def gdn_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      state: torch.Tensor, slots: torch.Tensor,
+                      step_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The gated delta rule for B sequences of T tokens (decode; T > 1 for draft tokens) over a state pool.
+
+    q, k [B, T, HK, Dk] raw (normalised here, see `_gdn_qk`); v [B, T, HV, Dv]; g, beta [B, T, HV] float32; value head
+    h reads key head h // (HV / HK). state [S, HV, Dk, Dv] (float32 or float16 storage), slots int [B]: sequence b
+    starts from state[slots[b]] and its state after the T tokens is stored there. Per token, in float32:
+    S <- exp(g) S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q. step_slots int [B, T]: the state after
+    token t is also stored in slot step_slots[b, t] unless it is -1. Returns o [B, T, HV, Dv] float32."""
+    B, T, HK, DK = q.shape
+    HV, DV = v.shape[2], v.shape[3]
+    rep = HV // HK
+    slots = slots.to(device=state.device, dtype=torch.long)
+    qn, kn = _gdn_qk(q, k)
+    s = state.index_select(0, slots).float().view(B, HK, rep, DK, DV)  # value heads grouped under their key head
+    out = torch.empty(B, T, HV, DV, dtype=torch.float32, device=q.device)
+    for t in range(T):
+        kt = kn[:, t].view(B, HK, 1, 1, DK)
+        s.mul_(g[:, t].float().exp().view(B, HK, rep, 1, 1))
+        kv = (kt @ s).view(B, HK, rep, DV)
+        delta = beta[:, t].float().view(B, HK, rep, 1) * (v[:, t].float().view(B, HK, rep, DV) - kv)
+        s.add_(kt.transpose(-1, -2) * delta.unsqueeze(-2))
+        out[:, t] = (qn[:, t].view(B, HK, 1, 1, DK) @ s).view(B, HV, DV)
+        if step_slots is not None:
+            dst = step_slots[:, t].to(device=state.device, dtype=torch.long)
+            keep = dst >= 0
+            state.index_copy_(0, dst[keep], s.view(B, HV, DK, DV)[keep].to(state.dtype))
+    state.index_copy_(0, slots, s.view(B, HV, DK, DV).to(state.dtype))
+    return out
+
+
+def gdn_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, slot: int, chunk: int = GDN_CHUNK) -> torch.Tensor:
+    """`gdn_recurrent_ref` for one sequence of T tokens (prefill), computed a chunk at a time: q, k [T, HK, Dk],
+    v [T, HV, Dv], g, beta [T, HV]; reads and writes state[slot]; returns o [T, HV, Dv] float32.
+
+    Within a chunk, G = cumsum(g), A[i, j] = beta_i exp(G_i - G_j) k_i . k_j (j < i), u = (I + A)^-1 beta v,
+    w = (I + A)^-1 beta exp(G) k; per chunk from the state S: delta = u - w S,
+    o = exp(G) q S + (tril(exp(G_i - G_j)) * q k^T) delta, S <- exp(G_last) S + (exp(G_last - G) k)^T delta.
+    The tokens past T that pad the last chunk have k = v = 0 and g = beta = 0: they change nothing."""
+    T, HK, DK = q.shape
+    HV, DV = v.shape[1], v.shape[2]
+    rep = HV // HK
+    qn, kn = (x.repeat_interleave(rep, dim=1) for x in _gdn_qk(q, k))
+    pad = (-T) % chunk
+
+    def chunks(x):  # [T, HV, ...] -> [HV, N, chunk, ...]
+        x = x.float().movedim(0, 1)
+        x = F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
+        return x.unflatten(1, (-1, chunk))
+
+    qc, kc, vc, gc, bc = (chunks(x) for x in (qn, kn, v, g, beta))
+    cum = gc.cumsum(-1)  # [HV, N, C]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(~lower, float("-inf")).exp()
+    a = (bc.unsqueeze(-1) * (kc @ kc.transpose(-1, -2)) * decay).tril(-1)
+    unit = a + torch.eye(chunk, device=q.device)
+    u = torch.linalg.solve_triangular(unit, bc.unsqueeze(-1) * vc, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(unit, (bc * cum.exp()).unsqueeze(-1) * kc, upper=False, unitriangular=True)
+    scores = (qc @ kc.transpose(-1, -2)) * decay
+    q_in = qc * cum.exp().unsqueeze(-1)
+    last = cum[..., -1:]  # [HV, N, 1]
+    k_out = kc * (last - cum).exp().unsqueeze(-1)
+    s = state[slot].float()
+    out = torch.empty_like(u)
+    for n in range(cum.shape[1]):
+        delta = u[:, n] - w[:, n] @ s
+        out[:, n] = q_in[:, n] @ s + scores[:, n] @ delta
+        s = s * last[:, n].exp().unsqueeze(-1) + k_out[:, n].transpose(-1, -2) @ delta
+    state[slot] = s.to(state.dtype)
+    return out.flatten(1, 2)[:, :T].movedim(1, 0).contiguous()
+
+
+def causal_conv_update_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                           slots: torch.Tensor) -> torch.Tensor:
+    """One decode step of the depthwise causal convolution + SiLU that feeds the delta rule, for B sequences:
+    x [B, C] (this token's channels), weight [C, K], conv_state [S, C, K - 1] (each slot's previous K - 1 inputs, oldest
+    first), slots int [B]. out[b, c] = silu(sum_j weight[c, j] * window[c, j]) over the window (the slot's K - 1
+    inputs, then x[b]), in float32; the slot then holds the window's last K - 1 inputs (x rounded to its dtype).
+    Returns [B, C] float32."""
+    slots = slots.to(device=conv_state.device, dtype=torch.long)
+    window = torch.cat((conv_state.index_select(0, slots).float(), x.float().unsqueeze(-1)), dim=-1)  # [B, C, K]
+    out = F.silu((window * weight.float()).sum(-1))
+    conv_state.index_copy_(0, slots, window[..., 1:].to(conv_state.dtype))
+    return out
