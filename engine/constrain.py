@@ -164,10 +164,28 @@ def grammar_constraint(tokenizer, grammar: str, description: str, start_after: i
     from llguidance import LLMatcher
 
     matcher = LLMatcher(llg_tokenizer(tokenizer), grammar, log_level=0)
-    if matcher.is_error():
-        raise UnsupportedSchema(f"The {description} cannot be enforced: {_short(matcher.get_error())}.",
-                                _SCHEMA_REMEDY)
+    _dry_run(matcher, description)
     return Constraint(matcher, tokenizer.eos_token_ids, description, start_after)
+
+
+def _dry_run(matcher, what: str) -> None:
+    """UnsupportedSchema unless the grammar can start: a copy of the matcher takes the tokens its grammar forces
+    at the start (a required recursion, such as an object whose required property is the object itself, forces
+    an endless text and fails here, before any request is admitted) and then must allow some token."""
+    trial = matcher.deep_copy()
+    if trial.is_error():
+        raise UnsupportedSchema(f"The {what} cannot be enforced: {_short(trial.get_error())}.", _SCHEMA_REMEDY)
+    forced = trial.compute_ff_tokens()
+    if not trial.is_error() and forced:
+        trial.consume_tokens(forced)
+    if trial.is_error() and "Too many items" in trial.get_error():
+        raise UnsupportedSchema(f"The {what} cannot be enforced: the output it forces from the start never ends.",
+                                "A required property whose schema refers back to its own object (\"$ref\": \"#\") "
+                                "asks for an endlessly nested value: make that property optional.")
+    if trial.is_error():
+        raise UnsupportedSchema(f"The {what} cannot be enforced: {_short(trial.get_error())}.", _SCHEMA_REMEDY)
+    if not any(trial.compute_bitmask()) or trial.is_error():
+        raise UnsupportedSchema(f"The {what} cannot be enforced: no output can satisfy it.", _SCHEMA_REMEDY)
 
 
 def _schema_grammar(schema: Any, what: str) -> str:
@@ -264,8 +282,10 @@ def _check(tokenizer, grammar: str, what: str) -> None:
     if is_error:
         raise UnsupportedSchema(f"The {what} cannot be enforced: {_short(messages[0] if messages else '?')}.",
                                 _SCHEMA_REMEDY)
+    _dry_run(LLMatcher(llg_tokenizer(tokenizer), grammar, log_level=0), what)
 
 
 def _short(err: Any, limit: int = 400) -> str:
-    text = str(err).strip().rstrip(".") or type(err).__name__
+    """The grammar engine's message without the parser state it appends (an internal dump, no use to a client)."""
+    text = str(err).split("<state>", 1)[0].strip().rstrip(".") or type(err).__name__
     return text if len(text) <= limit else text[:limit] + "..."

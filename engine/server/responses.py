@@ -90,7 +90,11 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
                        param=param) from None
     prompt, in_reasoning = render(state, chat)
     params = sampling_params(chat, state, len(prompt), loaded.context_window, param="input")
-    params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)
+    try:
+        params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)
+    except APIError as e:  # the chat pipeline names chat's field; here it is text.format
+        e.param = "text.format" if e.param == "response_format" else e.param
+        raise
     streams = submit(state, prompt, params, 1, param="input")
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     choice = Choice(0, loaded.tokenizer, [], reasoning=reasoning, starts_in_reasoning=in_reasoning,
