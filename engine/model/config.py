@@ -7,8 +7,12 @@ from engine.errors import ModelLoadError
 from engine.memory.specs import LAYER_KINDS
 from engine.model.registry import check_supported
 
-# The architectures (engine.model.registry) whose GGUF files engine/model/gguf_file.py reads.
+# The architectures (engine.model.registry) whose GGUF files engine/model/gguf_file.py reads: the llama family, and
+# the Gated-DeltaNet hybrids (llama.cpp's qwen35: Qwen3.5 dense).
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+GGUF_HYBRID_ARCHS = ("qwen35",)
+# GGUF architectures refused, with what to use instead: llama.cpp writes them only with mixture-of-experts layers.
+GGUF_MOE_ARCHS = {"qwen35moe": "Qwen3.5-MoE", "qwen3next": "Qwen3-Next"}
 # The names HF config.json files give the architectures engine.model.registry implements.
 HF_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -16,6 +20,7 @@ HF_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3_5ForCausalLM": "qwen35",
+    "Qwen3NextForCausalLM": "qwen35",  # dense only (engine/model/hf_folder.py refuses MoE layers); grouped projections
 }
 
 

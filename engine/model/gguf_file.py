@@ -1,4 +1,5 @@
-"""Read llama-family GGUF files (Llama/SmolLM, Qwen2, Qwen3) with the `gguf` package."""
+"""Read GGUF files with the `gguf` package: the llama family (Llama/SmolLM, Qwen2, Qwen3) and llama.cpp's qwen35
+Gated-DeltaNet hybrids. The tensor names and stored forms are in engine/model/gguf_names.py."""
 from __future__ import annotations
 
 import logging
@@ -8,46 +9,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.errors import ModelLoadError
-from engine.model.config import GGUF_ARCHS, ModelConfig
+from engine.model.config import GGUF_ARCHS, GGUF_HYBRID_ARCHS, GGUF_MOE_ARCHS, LinearAttentionConfig, ModelConfig
+from engine.model.gguf_names import column_heads, gguf_name, hf_name, restore, row_order, stored_shape, untile
 from engine.model.linear import INT4_GROUP, TERNARY_GROUP, is_linear
 from kernels.quant import from_gguf, quantize_int4, quantize_int8, quantize_ternary
 from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete, expected_shapes
 
 log = logging.getLogger("ninfer.model")
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
-
-
-def hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    if gguf_name.startswith("blk."):
-        _, idx, rest = gguf_name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
-    return None
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -80,9 +52,16 @@ def _field(reader: GGUFReader, key: str, default=None):
 
 def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHS:
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch in GGUF_MOE_ARCHS or (arch in GGUF_HYBRID_ARCHS and experts):
+        family = GGUF_MOE_ARCHS.get(arch, arch)
+        raise ModelLoadError(f"{path.name}: architecture '{arch}' ({family}, {experts or 'with'} experts) is a "
+                             f"mixture-of-experts model; this engine does not run MoE layers yet.",
+                             "Use a dense Gated-DeltaNet hybrid instead: a Qwen3.5 dense GGUF (architecture qwen35) "
+                             "or Hugging Face folder (Qwen3_5ForCausalLM).")
+    if arch not in GGUF_ARCHS + GGUF_HYBRID_ARCHS:
         raise ModelLoadError(f"{path.name}: architecture '{arch}' is not supported.",
-                             f"Supported GGUF architectures: {', '.join(GGUF_ARCHS)}.")
+                             f"Supported GGUF architectures: {', '.join(GGUF_ARCHS + GGUF_HYBRID_ARCHS)}.")
 
     def need(key):
         value = _field(reader, f"{arch}.{key}")
@@ -92,22 +71,62 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         return value
 
     names = {t.name for t in reader.tensors}
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    hidden, heads = int(need("embedding_length")), _one(need("attention.head_count"), f"{arch}.attention.head_count", path)
     vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens", []))
+    blocks = int(need("block_count"))
+    mtp = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0) if arch in GGUF_HYBRID_ARCHS else 0
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    hybrid = _hybrid(reader, arch, path, blocks - mtp, head_dim, need) if arch in GGUF_HYBRID_ARCHS else {}
     return ModelConfig(
-        arch=arch, vocab_size=int(vocab), hidden_size=hidden, num_layers=int(need("block_count")),
-        num_heads=heads, num_kv_heads=int(_field(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        intermediate_size=int(need("feed_forward_length")),
+        arch=arch, vocab_size=int(vocab), hidden_size=hidden, num_layers=blocks - mtp,
+        num_heads=heads, num_kv_heads=_one(_field(reader, f"{arch}.attention.head_count_kv", heads),
+                                           f"{arch}.attention.head_count_kv", path),
+        head_dim=head_dim,
+        intermediate_size=_one(need("feed_forward_length"), f"{arch}.feed_forward_length", path),
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
         max_position=int(_field(reader, f"{arch}.context_length", 4096)),
         tie_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        qk_norm="blk.0.attn_q_norm.weight" in names,
+        qk_norm=arch not in GGUF_HYBRID_ARCHS and "blk.0.attn_q_norm.weight" in names,  # (qwen35: its own q/k norms)
         name=str(_field(reader, "general.name", path.stem)),
+        **hybrid,
     )
+
+
+def _one(value, key: str, path: Path) -> int:
+    """A per-model count that llama.cpp may write per layer (0 on the layers without it): its one nonzero value."""
+    if not isinstance(value, (list, tuple)):
+        return int(value)
+    nonzero = {int(v) for v in value if int(v)}
+    if len(nonzero) != 1:
+        raise ModelLoadError(f"{path.name}: GGUF metadata '{key}' varies per layer ({list(value)}); this engine "
+                             f"needs one value for every layer.", "Use a model whose layers share one shape.")
+    return nonzero.pop()
+
+
+def _hybrid(reader: GGUFReader, arch: str, path: Path, layers: int, head_dim: int, need) -> dict:
+    """The Gated-DeltaNet fields of a qwen35 file: layer kinds, the linear-attention shape, the rotated share."""
+    if layers <= 0:
+        raise ModelLoadError(f"{path.name}: {arch}.block_count leaves no layers beside the "
+                             f"{arch}.nextn_predict_layers MTP layers.", "The file is damaged; convert it again.")
+    recurrent = _field(reader, f"{arch}.attention.recurrent_layers")
+    if recurrent is not None:
+        kinds = tuple("recurrent" if r else "attention" for r in list(recurrent)[:layers])
+    else:
+        interval = int(_field(reader, f"{arch}.full_attention_interval", 4) or 4)
+        kinds = tuple("attention" if (i + 1) % interval == 0 else "recurrent" for i in range(layers))
+    k_heads, v_heads = int(need("ssm.group_count")), int(need("ssm.time_step_rank"))
+    inner = int(need("ssm.inner_size"))
+    if v_heads <= 0 or inner % v_heads:
+        raise ModelLoadError(f"{path.name}: {arch}.ssm.inner_size={inner} is not a multiple of "
+                             f"{arch}.ssm.time_step_rank={v_heads} (the value heads).",
+                             "The file is damaged or was converted wrongly; convert it again.")
+    linear = LinearAttentionConfig(k_heads, v_heads, int(need("ssm.state_size")), inner // v_heads,
+                                   int(need("ssm.conv_kernel")))
+    rotated = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    return {"layer_kinds": kinds, "linear": linear, "partial_rotary": rotated / head_dim}
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
@@ -118,12 +137,6 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
         return {"rope_type": "linear", "factor": float(_field(reader, f"{arch}.rope.scaling.factor", 1.0))}
     raise ModelLoadError(f"RoPE scaling '{kind}' in this GGUF file is not supported.",
                          "Supported: none, linear, and llama3 frequency factors (rope_freqs).")
-
-
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's converter reorders Llama q/k rows for interleaved RoPE; restore HF's half-split order."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "TQ2_0")  # kept as stored (kernels.quant) when native=True
@@ -162,34 +175,49 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
     converted: dict[str, int] = {}  # GGUF type -> tensors stored in its NEAREST_FORMAT
     ticker = Ticker(len(reader.tensors), progress, cancel)
     expected = expected_shapes(cfg)
+    main_layers = cfg.num_layers if cfg.arch in GGUF_HYBRID_ARCHS else None
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, cfg.arch, main_layers)
         ticker.step(f"loading {t.name}")
         if name is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        storage[name] = t.tensor_type.name
-        permute = cfg.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")) and shape == expected.get(name)
-        heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-        if native and is_linear(name) and t.tensor_type.name in NATIVE_TYPES and len(shape) == 2:
+        kind = storage[name] = t.tensor_type.name
+        # rows or V-head columns stored in another order than HF's (a tensor of the wrong shape is left as it is,
+        # for check_complete to name it)
+        want = stored_shape(name, cfg, expected.get(name))
+        rows, cols = row_order(name, cfg, shape, want), column_heads(name, cfg, shape, want)
+        block = GGML_QUANT_SIZES[GGMLQuantizationType(t.tensor_type)][0]
+        if native and is_linear(name) and kind in NATIVE_TYPES and len(shape) == 2 \
+                and (cols is None or cols[2] % block == 0):
             raw = np.array(t.data, dtype=np.uint8, order="C").reshape(shape[0], -1)
-            if permute:  # whole rows move, so the packed blocks can be reordered as they are
-                raw = np.ascontiguousarray(_unpermute(raw, heads))
+            if rows is not None:  # whole rows move, so the packed blocks can be reordered as they are
+                raw = raw[rows]
+            if cols is not None:  # whole blocks of a head's columns move
+                k_heads, v_heads, width = cols
+                raw = raw.reshape(shape[0], shape[1] // block, -1)[:, untile(k_heads, v_heads, width // block)]
             try:
-                tensors[name] = from_gguf(torch.from_numpy(raw), t.tensor_type.name, shape)
+                tensors[name] = from_gguf(torch.from_numpy(np.ascontiguousarray(raw).reshape(shape[0], -1)),
+                                          kind, shape)
             except ValueError as e:
-                raise ModelLoadError(f"{path.name}: tensor {t.name} ({t.tensor_type.name}) cannot be read: {e}.",
+                raise ModelLoadError(f"{path.name}: tensor {t.name} ({kind}) cannot be read: {e}.",
                                      "The file is damaged; download it again.") from None
             continue
         try:
             arr = dequantize(t.data, GGMLQuantizationType(t.tensor_type)).reshape(shape)
         except Exception as e:
-            raise ModelLoadError(f"{path.name}: tensor {t.name} ({t.tensor_type.name}) cannot be decoded: {e}.",
+            raise ModelLoadError(f"{path.name}: tensor {t.name} ({kind}) cannot be decoded: {e}.",
                                  "The file is damaged or uses a quantization this version cannot read.") from None
-        if permute:  # (a tensor of the wrong shape is left as it is, for check_complete to name it)
-            arr = _unpermute(arr, heads)
+        if rows is not None:
+            arr = arr[rows]
+        if cols is not None:
+            arr = arr[:, untile(*cols)]
+        try:
+            arr = restore(name, arr, cfg)
+        except ValueError as e:
+            raise ModelLoadError(f"{path.name}: tensor {t.name} cannot be read: {e}.",
+                                 "The file is damaged or was converted wrongly; convert it again.") from None
         tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own copy: the file stays read-only
-        kind = t.tensor_type.name
         if native and is_linear(name) and kind in NEAREST_FORMAT and len(shape) == 2:
             nearest = nearest_native(tensors[name], kind)
             if nearest is not None:
@@ -199,5 +227,5 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
     for kind, n in converted.items():
         log.info("%s: %d %s tensors decoded by the gguf package and stored as %s (the nearest format the kernels "
                  "run)", path.name, n, kind, NEAREST_FORMAT[kind])
-    check_complete(cfg, tensors, path.name)
+    check_complete(cfg, tensors, path.name, lambda n: gguf_name(n, cfg.arch))
     return LoadedWeights(cfg, tensors, "gguf", storage)

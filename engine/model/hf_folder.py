@@ -24,6 +24,9 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path} cannot be read: {e}.", "Download the model folder again.") from None
     archs = raw.get("architectures") or []
     arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
+    if QWEN3_NEXT in archs:
+        raw = {**QWEN3_NEXT_DEFAULTS, **raw}
+        _refuse_moe_layers(raw, folder)
     if arch is None and any("Moe" in a for a in archs):
         raise ModelLoadError(f"{folder.name}: {archs[0]} is a mixture-of-experts model; this engine does not run "
                              f"MoE layers yet.", f"Use a dense model of the family (supported: {', '.join(sorted(HF_ARCHS))}).")
@@ -50,7 +53,7 @@ def read_config(folder: Path) -> ModelConfig:
             attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
             name=folder.name,
-            layer_kinds=_layer_kinds(raw.get("layer_types")),
+            layer_kinds=_layer_kinds(raw.get("layer_types") or _interval_types(raw, arch)),
             linear=_linear_attention(raw),
             partial_rotary=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
         )
@@ -69,6 +72,72 @@ def _linear_attention(raw: dict) -> LinearAttentionConfig | None:
     return LinearAttentionConfig(int(raw["linear_num_key_heads"]), int(raw["linear_num_value_heads"]),
                                  int(raw["linear_key_head_dim"]), int(raw["linear_value_head_dim"]),
                                  int(raw.get("linear_conv_kernel_dim", 4)))
+
+
+def _interval_types(raw: dict, arch: str) -> list[str] | None:
+    """A hybrid config.json without layer_types: as transformers derives them, every full_attention_interval-th
+    layer (default 4) is full attention."""
+    if arch != "qwen35":
+        return None
+    interval = int(raw.get("full_attention_interval") or 4)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(int(raw["num_hidden_layers"]))]
+
+
+# Qwen3-Next (Qwen3NextForCausalLM): transformers' defaults for the fields this engine reads, where config.json
+# leaves them out; its MoE layers are refused, its dense form runs as qwen35 once the grouped projections are split.
+QWEN3_NEXT = "Qwen3NextForCausalLM"
+QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                       "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+                       "partial_rotary_factor": 0.25, "num_experts": 512, "decoder_sparse_step": 1,
+                       "mlp_only_layers": [], "max_position_embeddings": 32768}
+
+
+def _refuse_moe_layers(raw: dict, folder: Path) -> None:
+    """transformers gives layer i a sparse MoE block when i is not in mlp_only_layers, num_experts > 0 and
+    (i + 1) % decoder_sparse_step == 0; every other layer has the dense MLP (intermediate_size)."""
+    try:
+        experts, step = int(raw["num_experts"]), int(raw["decoder_sparse_step"])
+        dense = {int(i) for i in raw["mlp_only_layers"] or []}
+        moe = [i for i in range(int(raw["num_hidden_layers"]))
+               if i not in dense and experts > 0 and step > 0 and (i + 1) % step == 0]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"{folder}/config.json: field {e} is missing or malformed.",
+                             "Download the model folder again.") from None
+    if moe:
+        shown = ", ".join(map(str, moe[:8])) + (", ..." if len(moe) > 8 else "")
+        raise ModelLoadError(f"{folder.name}: {QWEN3_NEXT} has mixture-of-experts layers ({experts} experts in "
+                             f"layers {shown}); this engine does not run MoE layers yet.",
+                             "Use a dense Gated-DeltaNet hybrid (Qwen3_5ForCausalLM, or a Qwen3-Next config whose "
+                             "layers are all in mlp_only_layers or that has num_experts 0).")
+
+
+def _ungroup(cfg: ModelConfig, tensors: dict[str, torch.Tensor], storage: dict[str, str], where: str) -> None:
+    """Qwen3-Next's grouped GDN input projections into the flat ones the model reads: in_proj_qkvz holds, per key
+    head, [q | k | its value heads' v | their z] and in_proj_ba [their b | their a] (transformers'
+    fix_query_key_value_ordering); in_proj_qkv is [all q | all k | all v], in_proj_z, in_proj_b, in_proj_a."""
+    n, h = cfg.linear, cfg.hidden_size
+    per_key = n.num_v_heads // n.num_k_heads
+    qkvz = [n.head_k_dim, n.head_k_dim, per_key * n.head_v_dim, per_key * n.head_v_dim]
+    for i, kind in enumerate(cfg.layer_kinds):
+        a = f"model.layers.{i}.linear_attn."
+        if kind != "recurrent" or a + "in_proj_qkvz.weight" not in tensors:
+            continue
+        for src, sizes in (("in_proj_qkvz.weight", qkvz), ("in_proj_ba.weight", [per_key, per_key])):
+            w = tensors[a + src]
+            if tuple(w.shape) != (n.num_k_heads * sum(sizes), h):
+                raise ModelLoadError(f"{where}: {a + src} has shape {tuple(w.shape)}, expected "
+                                     f"{(n.num_k_heads * sum(sizes), h)}.",
+                                     "The file is incomplete or damaged; download it again.")
+            parts = [p.reshape(-1, h) for p in w.view(n.num_k_heads, sum(sizes), h).split(sizes, dim=1)]
+            del tensors[a + src]
+            kept = storage.pop(a + src, "")
+            names = (["in_proj_qkv.weight", "in_proj_z.weight"] if src.startswith("in_proj_qkvz")
+                     else ["in_proj_b.weight", "in_proj_a.weight"])
+            if len(parts) == 4:
+                parts = [torch.cat(parts[:3]), parts[3]]
+            for name, part in zip(names, parts):
+                tensors[a + name], storage[a + name] = part.contiguous(), kept
 
 
 def _layer_kinds(types) -> tuple[str, ...]:
@@ -111,5 +180,7 @@ def load_folder(folder: Path, progress: Progress | None = None,
         tensors[key] = t.float()
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight", None)
+    if cfg.linear is not None:
+        _ungroup(cfg, tensors, storage, folder.name)
     check_complete(cfg, tensors, folder.name)
     return LoadedWeights(cfg, tensors, "hf", storage)

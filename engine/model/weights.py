@@ -41,15 +41,19 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return model_class(cfg.arch).expected_shapes(cfg)
 
 
-def check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Every expected tensor is present with the expected shape, or a ModelLoadError lists what is wrong."""
+def check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor], where: str,
+                   file_name: Callable[[str], str | None] | None = None) -> None:
+    """Every expected tensor is present with the expected shape, or a ModelLoadError lists what is wrong
+    (`file_name`: the name the file gives a tensor, said beside its HF name)."""
     problems = []
     for name, shape in expected_shapes(cfg).items():
         t = tensors.get(name)
+        stored = file_name(name) if file_name is not None else None
+        shown = f"{name} ({stored})" if stored else name
         if t is None:
-            problems.append(f"missing {name}")
+            problems.append(f"missing {shown}")
         elif tuple(t.shape) != shape:
-            problems.append(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+            problems.append(f"{shown} has shape {tuple(t.shape)}, expected {shape}")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise ModelLoadError(f"{where} does not match its own configuration: {shown}.",
