@@ -123,6 +123,18 @@ class LlamaModel:
         self.layer_shapes(kind, cfg, prefix)  # refuses a kind this model has no layer for
         return DecoderLayer(cfg, w, prefix)
 
+    # ---- the checkpoint's multi-token-prediction (MTP) block, built by engine/spec/mtp.py --------------------------
+    mtp_reads_normed_hidden = False  # MTP reads the last hidden state before the final norm, and chains its own
+
+    def mtp_norm(self, w: torch.Tensor) -> torch.Tensor:
+        """An MTP block's RMSNorm weight as this model's norms scale by it (the llama family: plain, weight * x)."""
+        return w
+
+    def mtp_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor]):
+        """The MTP block's decoder layer: one attention layer of this model's kind, from its tensors (names relative
+        to the layer, as raw in the checkpoint), in this model's dtype on its device (dense)."""
+        return DecoderLayer(cfg, {n: t.to(device=self.device, dtype=self.dtype) for n, t in w.items()}, "")
+
     @property
     def cache_specs(self) -> list:
         """What each layer keeps per sequence (engine/memory/specs.py), in layer order."""

@@ -89,3 +89,15 @@ class Qwen35Model(LlamaModel):
         if kind == "recurrent":
             return GDNLayer(cfg, w, prefix, str(self.dtype).removeprefix("torch."), self.state_dtype)
         return GatedAttentionLayer(cfg, w, prefix)
+
+    # ---- MTP (engine/spec/mtp.py): as vLLM's Qwen3.5 MTP, every norm of the block is zero-centred (1 + w), and it
+    # reads the model's hidden state after the final norm and chains its own output after mtp.norm
+    mtp_reads_normed_hidden = True
+
+    def mtp_norm(self, w: torch.Tensor) -> torch.Tensor:
+        return 1.0 + w.float()
+
+    def mtp_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor]) -> GatedAttentionLayer:
+        return GatedAttentionLayer(cfg, {n: (self.mtp_norm(t) if _zero_centred(n) else t).to(device=self.device,
+                                                                                            dtype=self.dtype)
+                                         for n, t in w.items()}, "")

@@ -36,6 +36,9 @@ def make_speculator(config: EngineConfig, *, target, runner, tokenizer, target_p
             raise NInferError(f"--spec mtp: {target_path.name} carries no multi-token-prediction (MTP) layers.",
                               "Use --spec ngram or --spec draft --draft-model PATH, or a checkpoint with MTP "
                               "tensors (mtp.* or num_nextn_predict_layers).")
+        if not hasattr(target, "mtp_layer"):
+            raise NInferError(f"--spec mtp: this engine cannot build the MTP layer of a {target.cfg.arch} model.",
+                              "Use --spec ngram or --spec draft --draft-model PATH.")
         return Speculator(MTPProposer(target, runner, spec, lm_head_draft), draft_tokens)
     raise NInferError(f"--spec {method} is not available in this version.",
                       f"Use one of: {', '.join(METHODS)}.")

@@ -1,27 +1,33 @@
 """`--spec mtp`: multi-token-prediction layers shipped with the checkpoint draft from the target's hidden state.
 
-An MTP layer at position i reads the target's last hidden state h_i (before the final norm) and the embedding of the
-next token t_{i+1}: x = fc([norm_e(embed(t_{i+1})), norm_h(h_i)]), then one decoder layer (attention over its own KV,
-at the target's page slots) and the output layer predict t_{i+2}. Chained, its output hidden state stands in for h of
-the next position. Two checkpoint layouts are read:
+An MTP layer at position i reads the target's last hidden state h_i and the embedding of the next token t_{i+1}:
+x = fc([norm_e(embed(t_{i+1})), norm_h(h_i)]), then one decoder layer (attention over its own KV, at the target's
+page slots), the norm and the output layer predict t_{i+2}. Chained, its output hidden state stands in for h of the
+next position. Two checkpoint layouts are read:
 - Qwen3-Next / Qwen3.5: mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.layers.0.*, mtp.norm;
 - DeepSeek-V3 (num_nextn_predict_layers): model.layers.{L}.eh_proj, enorm, hnorm, shared_head.norm
   (+ shared_head.head), and the decoder layer's own tensors under model.layers.{L}, L = num_hidden_layers.
-Norms are plain RMSNorm (weight * x), as in the llama family this engine runs.
+The target's model class builds the decoder layer (`mtp_layer`: a llama DecoderLayer, or Qwen3.5's gated attention
+layer), scales the block's norms its own way (`mtp_norm`: plain weight * x, or Qwen3.5's 1 + w) and says which hidden
+state the block reads (`mtp_reads_normed_hidden`): the llama family reads h before the final norm and chains the
+layer's output before mtp.norm; Qwen3.5 (as vLLM's qwen3_5_mtp) reads h after the final norm and chains the output
+after mtp.norm, the same rows its logits come from.
 
 Every target forward is followed by an MTP pass over the positions whose next token is now known (prompt chunks,
-accepted drafts), so the MTP KV stays complete; the pass's last row starts the draft chain for the next step."""
+accepted drafts), so the MTP KV stays complete; the pass's last row starts the draft chain for the next step. On a
+hybrid, a verification step with a rejected draft rolls the recurrent state back and rewinds the sequence to the
+step's start (engine/memory/state.py): the step keeps no rows, and the next step's pass recomputes them."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 
+from engine.errors import ModelLoadError
 from engine.ledger.common import DEFAULT_DRAFT_TOKENS
 from engine.model.layers import rms_norm
 from engine.model.linear import Linear
-from engine.model.llama import DecoderLayer
 from engine.runner import ModelRunner, Work
 from engine.sequence import Sequence
 from engine.spec.heads import draft_head, greedy_tokens
@@ -29,7 +35,7 @@ from engine.spec.heads import draft_head, greedy_tokens
 
 @dataclass
 class MTPWeights:
-    """One MTP layer's tensors under common names (layer: the decoder layer's tensors, llama names)."""
+    """One MTP layer's tensors under common names (layer: the decoder layer's tensors, names relative to it)."""
     fc: torch.Tensor  # [H, 2H]: input [embedding half, hidden half]
     norm_embedding: torch.Tensor
     norm_hidden: torch.Tensor
@@ -37,41 +43,84 @@ class MTPWeights:
     layer: dict[str, torch.Tensor]  # "input_layernorm.weight", "self_attn.q_proj.weight", ...
     head: torch.Tensor | None = None  # its own output layer, when the checkpoint has one
     layout: str = ""
+    names: dict[str, str] = field(default_factory=dict)  # common name (fc, norm_out, ...) -> the checkpoint's
+    prefix: str = ""  # the checkpoint's prefix of the layer's tensors
+
+
+_FIELDS = ("fc", "norm_embedding", "norm_hidden", "norm_out", "head", "layer")
+_LAYOUTS = {  # the checkpoint's names of _FIELDS ("layer": the prefix of the decoder layer's tensors)
+    "qwen3-next": ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                   "mtp.norm.weight", "mtp.lm_head.weight", "mtp.layers.0."),
+    "deepseek-v3": ("{L}eh_proj.weight", "{L}enorm.weight", "{L}hnorm.weight", "{L}shared_head.norm.weight",
+                    "{L}shared_head.head.weight", "{L}"),  # {L}: model.layers.{num_hidden_layers}.
+}
 
 
 def find_mtp(tensors: dict[str, torch.Tensor], cfg) -> MTPWeights | None:
-    """The first MTP layer in a checkpoint's tensors, in either layout; None when there is none."""
-    if "mtp.fc.weight" in tensors:
-        layer = {n.removeprefix("mtp.layers.0."): t for n, t in tensors.items() if n.startswith("mtp.layers.0.")}
-        return MTPWeights(tensors["mtp.fc.weight"], tensors["mtp.pre_fc_norm_embedding.weight"],
-                          tensors["mtp.pre_fc_norm_hidden.weight"], tensors["mtp.norm.weight"], layer,
-                          tensors.get("mtp.lm_head.weight"), "qwen3-next")
-    p = f"model.layers.{cfg.num_layers}."
-    if p + "eh_proj.weight" in tensors:
+    """The first MTP layer in a checkpoint's tensors, in either layout; None when there is none. A layout found with
+    a tensor missing is refused, naming it."""
+    for layout, layout_names in _LAYOUTS.items():
+        names = {k: n.format(L=f"model.layers.{cfg.num_layers}.") for k, n in zip(_FIELDS, layout_names)}
+        if names["fc"] not in tensors:
+            continue
+        missing = [names[k] for k in ("norm_embedding", "norm_hidden", "norm_out") if names[k] not in tensors]
+        if missing:
+            raise ModelLoadError(f"--spec mtp: the checkpoint's MTP layer ({layout} layout) lacks "
+                                 f"{', '.join(missing)}.", "The checkpoint is incomplete: download or convert it "
+                                                           "again, or use --spec ngram.")
+        p = names["layer"]
         layer = {n.removeprefix(p): t for n, t in tensors.items() if n.startswith(p)}
-        return MTPWeights(tensors[p + "eh_proj.weight"], tensors[p + "enorm.weight"], tensors[p + "hnorm.weight"],
-                          tensors[p + "shared_head.norm.weight"], layer, tensors.get(p + "shared_head.head.weight"),
-                          "deepseek-v3")
+        return MTPWeights(tensors[names["fc"]], tensors[names["norm_embedding"]], tensors[names["norm_hidden"]],
+                          tensors[names["norm_out"]], layer, tensors.get(names["head"]), layout, names, p)
     return None
 
 
+def check_mtp_shapes(w: MTPWeights, target) -> None:
+    """Every tensor the MTP block reads is there with the shape the target's configuration gives it; otherwise a
+    ModelLoadError names the first tensor that is missing or mis-shaped."""
+    cfg = target.cfg
+    h = cfg.hidden_size
+    expected = {"fc": (w.fc, (h, 2 * h)), "norm_embedding": (w.norm_embedding, (h,)),
+                "norm_hidden": (w.norm_hidden, (h,)), "norm_out": (w.norm_out, (h,))}
+    if w.head is not None:
+        expected["head"] = (w.head, (cfg.vocab_size, h))
+    rows = [(w.names.get(k, k), t, shape) for k, (t, shape) in expected.items()]
+    layer = type(target).layer_shapes("attention", cfg, "")
+    rows += [(w.prefix + n, w.layer.get(n), shape) for n, shape in layer.items()]
+    for name, t, shape in rows:
+        if t is None:
+            raise ModelLoadError(f"--spec mtp: the checkpoint's MTP layer lacks {name} (a {cfg.arch} attention "
+                                 f"layer needs it, shape {list(shape)}).",
+                                 "The checkpoint is incomplete: download or convert it again, or use --spec ngram.")
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"--spec mtp: MTP tensor {name} has shape {list(t.shape)}, but this {cfg.arch} "
+                                 f"model (hidden {h}) needs {list(shape)}.",
+                                 "The MTP layers belong to another model or were converted wrongly; use the "
+                                 "checkpoint they came with, or --spec ngram.")
+
+
 def is_mtp_tensor(name: str, num_layers: int) -> bool:
-    return name.startswith("mtp.") or name.startswith(f"model.layers.{num_layers}.")
+    return name.startswith(("mtp.", f"model.layers.{num_layers}."))
 
 
 class MTPModule:
     """The MTP layer as a model the ModelRunner can run: forward(batch) reads `self.hidden_in` (one row per
-    token of the batch) beside the batch's token ids; it keeps its output hidden states in `self.hidden_out`."""
+    token of the batch, as the block reads them: see from_target) beside the batch's token ids; it keeps the hidden
+    states its chain goes on from in `self.hidden_out`."""
 
     def __init__(self, target, w: MTPWeights, lm_head_draft: bool):
+        check_mtp_shapes(w, target)
         dev, dt = target.device, target.dtype
         self.cfg = replace(target.cfg, num_layers=1, layer_kinds=("attention",))
         self.device, self.dtype = dev, dt
         self.embed, self.rotary = target.embed, target.rotary
-        to = lambda t: t.to(device=dev, dtype=dt)  # noqa: E731
+        self.target_norm = target.norm
+        self.normed_hidden = target.mtp_reads_normed_hidden
+        to = lambda t: t.to(device=dev, dtype=dt)
         self.fc = Linear(to(w.fc))
-        self.norm_e, self.norm_h, self.norm_out = to(w.norm_embedding), to(w.norm_hidden), to(w.norm_out)
-        self.layer = DecoderLayer(self.cfg, {n: to(t) for n, t in w.layer.items()}, "")
+        self.norm_e, self.norm_h, self.norm_out = (to(target.mtp_norm(t)) for t in (w.norm_embedding, w.norm_hidden,
+                                                                                     w.norm_out))
+        self.layer = target.mtp_layer(self.cfg, w.layer)
         self.lm_head = draft_head(Linear(to(w.head)) if w.head is not None else target.lm_head, lm_head_draft)
         self.hidden_in: torch.Tensor | None = None
         self.hidden_out: torch.Tensor | None = None
@@ -79,6 +128,10 @@ class MTPModule:
     @property
     def cache_specs(self) -> list:
         return [self.layer.cache_spec]
+
+    def from_target(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's kept hidden rows (before its final norm) as the block reads them."""
+        return rms_norm(hidden, self.target_norm, self.cfg.rms_eps) if self.normed_hidden else hidden
 
     @torch.inference_mode()
     def forward(self, batch) -> torch.Tensor:
@@ -88,9 +141,11 @@ class MTPModule:
         x = self.fc(torch.cat([e, h], dim=-1))
         x, residual = self.layer.forward(x, None, 0, batch, self.rotary)
         x = residual + x
+        if self.normed_hidden:  # the chain goes on from the normed rows the logits come from
+            x = rms_norm(x, self.norm_out, eps)
         self.hidden_out = x
         rows = x if batch.logit_rows is None else x.index_select(0, batch.logit_rows)
-        return self.lm_head(rms_norm(rows, self.norm_out, eps)).float()
+        return self.lm_head(rows if self.normed_hidden else rms_norm(rows, self.norm_out, eps)).float()
 
 
 class MTPProposer:
@@ -126,7 +181,8 @@ class MTPProposer:
                                 rows))
         if not entries:
             return
-        logits = self._run([w for _, w, _ in entries], torch.cat([r for _, _, r in entries]))
+        hidden = self.module.from_target(torch.cat([r for _, _, r in entries]))
+        logits = self._run([w for _, w, _ in entries], hidden)
         heads, offset = [], 0
         for (seq, w, _), lg in zip(entries, logits):
             offset += len(w.tokens)

@@ -57,3 +57,16 @@ def swap_tokenizer_ids(folder: Path) -> Path:
     vocab["w2"], vocab["w3"] = vocab["w3"], vocab["w2"]
     path.write_text(json.dumps(data))
     return folder
+
+
+def add_tensors(folder: Path, extra: dict[str, torch.Tensor]) -> Path:
+    """Writes `extra` into a checkpoint folder's weights (all in its first safetensors file), e.g. MTP tensors that
+    transformers leaves out of a model it saves."""
+    files = sorted(folder.glob("*.safetensors"))
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(f))
+    save_file({**tensors, **{n: t.contiguous() for n, t in extra.items()}}, str(files[0]))
+    for f in files[1:]:
+        f.unlink()
+    return folder
