@@ -260,6 +260,28 @@ def test_q8_0_gguf_kept_as_stored_runs_close_to_transformers(q8_0):
     assert (ours[-8:].argmax(-1) == ref[-8:].argmax(-1)).float().mean() >= 0.75
 
 
+def test_native_q8_0_moves_whole_blocks_where_a_value_head_spans_them(tmp_path):
+    """Value heads 32 wide (one Q8_0 block): out_proj keeps its Q8_0 blocks, its tiled columns reordered block by
+    block, and decodes to exactly what the decoded path (checked against transformers above) reads."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from kernels.quant import QuantizedWeight, dequantize
+
+    cfg = Qwen3_5TextConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+                            linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=32,
+                            layer_types=["linear_attention"] * 3 + ["full_attention"],
+                            bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(3)
+    hf = Qwen3_5ForCausalLM(cfg).eval()
+    path = write_qwen35_gguf(hf.state_dict(), cfg, tmp_path / "wide-Q8_0.gguf", q8_0=True)
+    native, dense = load_weights(path, native=True)[1].tensors, load_weights(path)[1].tensors
+    for part in ("out_proj", "in_proj_qkv", "in_proj_z", "in_proj_a"):
+        name = f"model.layers.0.linear_attn.{part}.weight"
+        assert isinstance(native[name], QuantizedWeight), name
+        assert torch.equal(dequantize(native[name], torch.float32), dense[name]), name
+
+
 def test_gguf_mtp_block_loads_under_the_mtp_names(checkpoint, tmp_path):  # noqa: F811
     """block_count counts the MTP block; its nextn tensors and its layer land under mtp.* with HF's shapes and
     values (norms without the stored + 1); the main model is unchanged."""
