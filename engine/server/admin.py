@@ -15,7 +15,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.config import BY_NAME, ConfigError, settings_from_mapping
-from engine.server.errors import APIError, invalid_text_at, invalid_text_message
+from engine.server.errors import APIError, invalid_text_at, invalid_text_message, json_type
+from engine.server.schemas import INT32_MAX
 from engine.server.state import ServerState
 
 SETTINGS_PATH = "/ninfer/v1/settings"
@@ -26,15 +27,35 @@ LIVE_KEYS = ("mode", "temperature", "top_p", "top_k", "min_p", "presence_penalty
 
 
 _NUMBER = {"type": ["number", "null"]}
-_PUT_SCHEMA = {  # documentation only (the body is read by hand, validated by the config machinery)
+_PUT_SCHEMA = {  # the JSON types of the body (read by hand); each value's range is the config machinery's check
     "type": "object", "additionalProperties": False, "minProperties": 1,
     "properties": {"mode": {"type": "string", "enum": ["chat", "agent"]}, "temperature": _NUMBER, "top_p": _NUMBER,
-                   "top_k": {"type": ["integer", "null"]}, "min_p": _NUMBER, "presence_penalty": _NUMBER,
+                   "top_k": {"type": ["integer", "null"], "maximum": INT32_MAX}, "min_p": _NUMBER, "presence_penalty": _NUMBER,
                    "frequency_penalty": _NUMBER, "greedy": {"type": "boolean"},
-                   "default_max_tokens": {"type": "integer", "minimum": 1},
+                   "default_max_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX},
                    "default_reasoning_effort": {"type": "string",
                                                 "enum": ["auto", "none", "low", "medium", "high"]}},
 }
+
+
+def _json_problem(key: str, value: object) -> str | None:
+    """What is wrong with a PUT value's JSON type or size (the config machinery, made for flags and TOML, would
+    read "5" as 5 and "yes" as true); None when it may go on to the setting's own checks."""
+    expected = _PUT_SCHEMA["properties"][key]
+    kinds = expected.get("type", "string")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    fits = {"string": isinstance(value, str), "boolean": isinstance(value, bool), "null": value is None,
+            "integer": isinstance(value, int) and not isinstance(value, bool),
+            "number": isinstance(value, (int, float)) and not isinstance(value, bool)}
+    if not any(fits[k] for k in kinds):
+        return f"must be {' or '.join(_KIND_NAMES[k] for k in kinds)}, not {json_type(value)}"
+    if fits["integer"] and "integer" in kinds and abs(value) > INT32_MAX:
+        return f"must be at most {INT32_MAX}"
+    return None
+
+
+_KIND_NAMES = {"string": "a string", "boolean": "true or false", "null": "null", "integer": "a whole number",
+               "number": "a number"}
 
 
 def settings_view(state: ServerState) -> dict:
@@ -78,6 +99,9 @@ def updated_settings(state: ServerState, changes: object):
                                     f"Live settings: {', '.join(LIVE_KEYS)}.", code="invalid_request", param=key)
             raise APIError(400, f"{key!r} is not a setting that can be changed; the live settings are "
                                 f"{', '.join(LIVE_KEYS)}.", code="invalid_request", param=key)
+        problem = _json_problem(key, raw)
+        if problem:
+            raise APIError(400, f"Invalid {key}: {problem}.", code="invalid_request", param=key)
         try:  # one key at a time, so the error names the field that is wrong
             checked = settings_from_mapping({key: raw}, SOURCE)
         except ConfigError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -104,8 +105,7 @@ async def api_error_handler(request: Request, exc: APIError) -> JSONResponse:
 async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     first = errors[0] if errors else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = _where(first) or None
     if first.get("type") == "invalid_text":
         param = first.get("ctx", {}).get("where")
         message = invalid_text_message(param)
@@ -113,10 +113,39 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
         param = None
         message = f"The request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}."
     else:
-        parts = [f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                 for e in errors[:5]]
+        parts = [f"{_where(e) or 'body'}: {_reason(e)}" for e in errors[:5]]
         message = "Invalid request: " + "; ".join(parts) + "."
     return JSONResponse(body_for(request.url.path, 400, message, "invalid_request", param), status_code=400)
+
+
+# The members of a union in an error's location (prompt.list[int].0): the field's path reads without them.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|dict|list|[a-z-]+\[.*\])$")
+
+
+def _where(error: dict) -> str:
+    """The path of the field an error is about, e.g. messages.0.content."""
+    return ".".join(str(p) for p in error.get("loc", ()) if p != "body" and not _UNION_TAG.match(str(p)))
+
+
+def json_type(value) -> str:
+    """The JSON type of a parsed value, as a message names it ("a string", "a boolean", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "a whole number"
+    if isinstance(value, float):
+        return "a number with a fraction or exponent"
+    return {str: "a string", dict: "an object", list: "a list"}.get(type(value), type(value).__name__)
+
+
+def _reason(error: dict) -> str:
+    """Pydantic's message, with the JSON type that was sent when the type is wrong (never the value itself)."""
+    msg = str(error.get("msg", "")).removeprefix("Value error, ")
+    if str(error.get("type", "")).endswith("_type") and "input" in error:
+        msg += f", not {json_type(error['input'])}"
+    return msg
 
 
 async def http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -19,7 +19,8 @@ from engine.server.errors import APIError
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages_reply import MessageReply
 from engine.server.parsers import tool_names_for
-from engine.server.schemas import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, RequestBody, _Open
+from engine.server.schemas import (INT32_MAX, MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, Int,
+                                   RequestBody, TokenCount)
 from engine.server.state import ServerState
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -33,12 +34,12 @@ class MessagesRequest(RequestBody):
     model: str
     messages: list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
     system: str | list[dict[str, Any]] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: TokenCount | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    stream: bool = False
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(default=None, ge=0, le=INT32_MAX)
+    stream: Bool = False
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -46,6 +47,14 @@ class MessagesRequest(RequestBody):
 
 def _bad(message: str, param: str) -> APIError:
     return APIError(400, message, param=param)
+
+
+def _string(block: dict, key: str, where: str) -> str:
+    """A block's text field: a string (absent: empty), never a number or object turned into text."""
+    value = block.get(key, "")
+    if not isinstance(value, str):
+        raise _bad(f"{where}.{key} must be a string, not {type(value).__name__}.", f"{where}.{key}")
+    return value
 
 
 def _text_blocks(content: Any, where: str) -> str:
@@ -60,7 +69,7 @@ def _text_blocks(content: Any, where: str) -> str:
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(str(block.get("text", "")))
+            texts.append(_string(block, "text", f"{where}[{j}]"))
         elif kind in ("image", "document"):
             raise _bad(f"{where}[{j}] is an {kind} block, but this model reads text only (it has no vision). Send "
                        f"the content as text.", f"{where}[{j}]")
@@ -79,7 +88,7 @@ def system_prompt(system: str | list[dict] | None) -> str:
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise _bad(f"system[{j}] has type {kind!r}; system blocks must be text blocks.", f"system[{j}]")
-        text = str(block.get("text", ""))
+        text = _string(block, "text", f"system[{j}]")
         if not text.lstrip().startswith(BILLING_HEADER):
             parts.append(text)
     return "\n\n".join(p for p in parts if p)
@@ -96,7 +105,7 @@ def _user_blocks(content: Any, i: int, out: list[dict]) -> None:
         where = f"messages[{i}].content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            _add_user(out, str(block.get("text", "")))
+            _add_user(out, _string(block, "text", where))
         elif kind == "tool_result":
             text = _text_blocks(block.get("content"), where + ".content")
             if block.get("is_error"):
@@ -131,9 +140,9 @@ def _assistant_blocks(content: Any, i: int, out: list[dict]) -> None:
         where = f"messages[{i}].content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(str(block.get("text", "")))
+            texts.append(_string(block, "text", where))
         elif kind == "thinking":
-            thinking.append(str(block.get("thinking", "")))
+            thinking.append(_string(block, "thinking", where))
         elif kind == "redacted_thinking":
             continue  # encrypted by another provider: nothing this model can read
         elif kind == "tool_use":

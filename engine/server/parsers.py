@@ -16,6 +16,7 @@ import re
 from typing import Any, Literal
 
 from engine.server.reasoning import ReasoningSplitter, split_reasoning
+from engine.server.schemacheck import schema_problems
 from engine.server.toolcalls import (ParsedOutput, StreamEvent, ToolCall, ToolCallStreamer, new_call_id,
                                      parse_tool_calls)
 
@@ -90,6 +91,8 @@ def validate_tools(tools: Any, tool_choice: Any = None) -> list[str]:
             problems.append(f"{where}.function.description must be a string")
         if "parameters" in fn and fn["parameters"] is not None and not isinstance(fn["parameters"], dict):
             problems.append(f"{where}.function.parameters must be a JSON Schema object")
+        elif isinstance(fn.get("parameters"), dict):
+            problems += schema_problems(fn["parameters"], f"{where}.function.parameters")
     if tool_choice is None or tool_choice in TOOL_CHOICE_MODES:
         if tool_choice == "required" and not tools:
             problems.append("tool_choice \"required\" needs at least one tool in tools")

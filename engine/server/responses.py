@@ -4,7 +4,7 @@ written by engine.server.responses_reply (output items and their events)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
@@ -16,7 +16,8 @@ from engine.server.messages import OMITTED_TOOLS_HEADER
 from engine.server.parsers import tool_names_for
 from engine.server.responses_input import read_input, read_tool_choice, read_tools
 from engine.server.responses_reply import ResponseReply
-from engine.server.schemas import MAX_MESSAGES, MAX_TOOLS, ChatCompletionRequest, RequestBody, _Open
+from engine.server.schemas import (MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, RequestBody,
+                                   TokenCount, _Open)
 from engine.server.state import ServerState
 
 _EFFORT = {"none": "none", "minimal": "minimal", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
@@ -31,17 +32,17 @@ class ResponsesRequest(RequestBody):
     """Fields this server has no use for (store, include, prompt_cache_key, service_tier, client_metadata,
     text.verbosity, reasoning.summary, truncation, user, ...) are accepted and ignored."""
     model: str
-    input: str | list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
-    stream: bool = False
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: Bool = False
+    max_output_tokens: TokenCount | None = None
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
     reasoning: Reasoning | None = None
     previous_response_id: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Bool | None = None
     metadata: dict[str, Any] | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
 

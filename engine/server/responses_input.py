@@ -154,7 +154,12 @@ def _text(content: Any, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS:
-            texts.append(str(part.get("text", part.get("refusal", ""))))
+            key = "refusal" if kind == "refusal" else "text"
+            text = part.get(key, "")
+            if not isinstance(text, str):
+                raise APIError(400, f"{where}[{j}].{key} must be a string, not {type(text).__name__}.",
+                               param=f"{where}[{j}].{key}")
+            texts.append(text)
         elif kind in ("input_image", "input_file", "input_audio"):
             raise APIError(400, f"{where}[{j}] is an {kind} part, but this model reads text only (it has no "
                                 f"vision). Send the content as text.", param=f"{where}[{j}]")

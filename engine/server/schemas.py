@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, model_validator
 from pydantic_core import PydanticCustomError
 
 from engine.server.errors import invalid_text_at, invalid_text_message
@@ -11,6 +11,13 @@ from engine.server.errors import invalid_text_at, invalid_text_message
 
 # Bounds on what one request may hold (a 400 beyond them), so no request can make the server do unbounded work.
 MAX_MESSAGES, MAX_TOOLS, MAX_STOP, MAX_STOP_CHARS = 4096, 128, 16, 512
+INT32_MAX = 2**31 - 1  # the largest token count (max_tokens, top_k, budget_tokens) a request may name
+
+# JSON types as the OpenAI spec has them: no coercion of "10" or true to a number, or of "yes" to a boolean.
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # a JSON integer is a number too
+Bool = StrictBool
+TokenCount = Annotated[int, Strict(), Field(ge=1, le=INT32_MAX)]
 
 
 def _bounded_stop(stop: str | list[str] | None) -> str | list[str] | None:
@@ -20,6 +27,8 @@ def _bounded_stop(stop: str | list[str] | None) -> str | list[str] | None:
         raise ValueError(f"at most {MAX_STOP} stop strings are allowed, not {len(items)}")
     if any(len(s) > MAX_STOP_CHARS for s in items):
         raise ValueError(f"each stop string must be at most {MAX_STOP_CHARS} characters")
+    if any(s == "" for s in items):
+        raise ValueError("a stop string must not be empty (it would end the answer before it starts)")
     return stop
 
 
@@ -39,16 +48,26 @@ class RequestBody(_Open):
         return data
 
 
+def _text_parts(content: str | list[dict[str, Any]] | None):
+    """Content parts must name their type, and a text part's text must be a string (never coerced from 5)."""
+    for part in content if isinstance(content, list) else ():
+        if not isinstance(part.get("type"), str):
+            raise ValueError("each content part needs a \"type\" string, e.g. {\"type\": \"text\", \"text\": ...}")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise ValueError("a text part's \"text\" must be a string")
+    return content
+
+
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, AfterValidator(_text_parts)] = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
 
 class StreamOptions(_Open):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class TextFormat(_Open):
@@ -63,7 +82,7 @@ class JSONSchemaSpec(_Open):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool = Field(alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class JSONSchemaFormat(_Open):
@@ -77,29 +96,29 @@ ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat]
 class SamplingFields(RequestBody):
     """Fields shared by the completion endpoints; None means the server's default for the current mode."""
     model: str
-    stream: bool = False
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: Float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Float | None = Field(default=None, gt=0.0, le=10.0)
     stop: Annotated[str | list[str] | None, AfterValidator(_bounded_stop)] = None
-    seed: int | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # int64, as the sampler's generator takes
-    n: int = Field(default=1, ge=1, le=8)
-    ignore_eos: bool = False
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=1024)
+    seed: Int | None = Field(default=None, ge=-2**63, le=2**63 - 1)  # int64, as the sampler's generator takes
+    n: Int = Field(default=1, ge=1, le=8)
+    ignore_eos: Bool = False
+    logit_bias: dict[str, Float] | None = Field(default=None, max_length=1024)
     response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: str | dict[str, Any] | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
@@ -109,10 +128,10 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: bool = False
-    best_of: int | None = Field(default=None, ge=1, le=1)  # only 1: several candidates per choice are not available
+    prompt: str | list[str] | list[Int] | list[list[Int]] = Field(min_length=1)
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
+    echo: Bool = False
+    best_of: Int | None = Field(default=None, ge=1, le=1)  # only 1: several candidates per choice are not available
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:

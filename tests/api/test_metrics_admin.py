@@ -235,7 +235,7 @@ def test_explicit_sampling_defaults_win_over_the_mode(http, restore_settings, sp
     ({"mode": "turbo"}, "mode", "must be one of chat, agent"),
     ({"temperature": 5}, "temperature", "0.0 to 2.0"),
     ({"top_p": 0}, "top_p", "above"),
-    ({"greedy": "maybe"}, "greedy", "yes/no"),
+    ({"greedy": "maybe"}, "greedy", "true or false"),
     ({"port": 1}, "port", "restart with --port"),
     ({"api_key": "x"}, "api_key", "restart with --api-key"),
     ({"colour": "blue"}, "colour", "not a setting"),
