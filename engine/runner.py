@@ -9,7 +9,7 @@ from engine.kv.cache import KVCache
 from engine.kv.host import HostPool
 from engine.kv.pages import PagePool
 from engine.kv.table import PageTable
-from engine.memory.geometry import PAGE_SIZE
+from engine.memory.geometry import PAGE_SIZE, pads
 from engine.memory.state import SeqState, StatePool
 from engine.model.batch import ForwardBatch
 from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs
@@ -30,12 +30,14 @@ class Work:
 class ModelRunner:
     def __init__(self, model, num_pages: int, kv_dtype: torch.dtype, page_size: int = PAGE_SIZE, host_pages: int = 0,
                  host_pinned: bool = True, prefill_cublas: bool = False, cuda_graphs: str = "off",
-                 static_decode: bool = False, state_slots: int = 0):
+                 static_decode: bool = False, state_slots: int = 0, max_batch: int = 0):
         """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA;
         `prefill_cublas`: low-bit layers run chunks of PREFILL_DENSE_ROWS+ rows as dense matmuls (linear.DenseScratch);
         `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); `static_decode`:
         without graphs, run decode steps through the same static forward, called directly (the CPU tests);
-        `state_slots`: recurrent-state slots (engine/memory/state.py), for a model with recurrent layers.
+        `state_slots`: recurrent-state slots (engine/memory/state.py), for a model with recurrent layers;
+        `max_batch`: the most sequences a step runs (0: unknown); static batches of more than 2 may pad with dummy rows,
+        whose recurrent state steps in one more, scratch, slot.
 
         The model's `cache_specs` (engine/memory/specs.py, one per layer) size the pools: the KV cache holds the
         attention layers (indexed by their ordinal among them), the state pool the recurrent ones."""
@@ -50,7 +52,8 @@ class ModelRunner:
                           kv_dtype, model.device, page_size)
         if recurrent and state_slots < 1:
             raise ValueError("a model with recurrent layers needs state_slots >= 1")
-        self.state = StatePool(recurrent, state_slots, torch.device(model.device)) if recurrent else None
+        self.state = StatePool(recurrent, state_slots, torch.device(model.device),
+                               scratch=static and pads(max_batch)) if recurrent else None
         self.pool = PagePool(num_pages, page_size)
         self.page_size = page_size
         self.host = HostPool(self.kv, host_pages, host_pinned) if host_pages else None

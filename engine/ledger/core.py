@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from engine.errors import NInferError
 from engine.engine_config import EngineConfig
-from engine.memory.geometry import WindowSpec, state_slots, state_snapshots
+from engine.memory.geometry import WindowSpec, pads, state_slots, state_snapshots
 from engine.ledger.common import (
     ACTIVATION_BYTES_PER_HIDDEN, CPU_KV_RAM_FRACTION, DEFAULT_DRAFT_TOKENS, DFLASH2_DRAFT_BYTES, GIB,
     HOST_RUNTIME_MIB, MIB, PAGE_SIZE, WEIGHT_BITS, _DEFAULTS, _ceil_div)
@@ -229,12 +229,14 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     add("activations", f"activations/workspace (prefill chunk {chunk})", act, estimate=True)
     speculative = spec not in ("none", "")
     snapshots = state_snapshots(conc, s["max_shared_prefixes"] != 0)
-    slots = state_slots(conc, speculative, snapshots)
+    # static decode batches (CUDA graphs) of more than 2 sequences pad with dummy rows: one scratch slot for them
+    graphs = on_gpu and s["cuda_graphs"] != "off" and pads(conc)
+    slots = state_slots(conc, speculative, snapshots) + graphs
     state = shape.state_bytes(bool(s["gdn_state_fp16"])) * slots
     if state:
         fmt = "fp16" if s["gdn_state_fp16"] else "fp32"
         extra = [f"{conc} draft checkpoints" if speculative else "", f"{snapshots} prefix snapshots" if snapshots
-                 else ""]
+                 else "", "1 scratch (CUDA graphs)" if graphs else ""]
         add("state", f"recurrent state ({shape.linear_layers} linear layers, {fmt}, x{slots} slots: {conc} seq"
                      f"{''.join(', ' + e for e in extra if e)})", state)
     if include_weights:

@@ -195,6 +195,12 @@ def state_slots(max_concurrency: int, speculative: bool = False, snapshots: int 
     return max_concurrency * (2 if speculative else 1) + snapshots
 
 
+def pads(max_batch: int) -> bool:
+    """Whether static decode batches (CUDA graphs: power-of-two sizes) of up to `max_batch` sequences (0: unknown)
+    may have dummy rows: their recurrent state then steps in one more, scratch, slot."""
+    return not 0 < max_batch <= 2
+
+
 def state_snapshots(max_concurrency: int, prefix_reuse: bool) -> int:
     """Recurrent-state snapshots kept for prefix reuse: as many as sequences run at once (none without reuse)."""
     return max_concurrency if prefix_reuse else 0

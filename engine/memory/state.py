@@ -33,10 +33,13 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 
 
 class StatePool:
-    def __init__(self, specs: list[RecurrentSpec], num_slots: int, device: torch.device):
-        self.num_slots = num_slots
-        self.layers = [{t.name: torch.zeros((num_slots, *t.shape), dtype=TORCH_DTYPES[t.dtype], device=device)
-                        for t in spec.tensors} for spec in specs]
+    def __init__(self, specs: list[RecurrentSpec], num_slots: int, device: torch.device, scratch: bool = False):
+        """`scratch`: one more slot, never handed out, for the dummy rows of static decode batches
+        (engine/model/graphs.py): `self.scratch`."""
+        self.num_slots, self.device = num_slots, device
+        self.scratch = num_slots if scratch else None
+        self.layers = [{t.name: torch.zeros((num_slots + scratch, *t.shape), dtype=TORCH_DTYPES[t.dtype],
+                                            device=device) for t in spec.tensors} for spec in specs]
         self.slot_bytes = sum(spec.nbytes for spec in specs)
         self._free = list(range(num_slots))
 
@@ -65,6 +68,16 @@ class StatePool:
         for tensors in self.layers:
             for t in tensors.values():
                 t[dst].copy_(t[src])
+
+    def read(self, slots: list[int]) -> list[dict[str, torch.Tensor]]:
+        """Copies of these slots' states (every layer), for `write` to put back."""
+        index = torch.tensor(slots, device=self.device)
+        return [{name: t.index_select(0, index) for name, t in tensors.items()} for tensors in self.layers]
+
+    def write(self, slots: list[int], saved: list[dict[str, torch.Tensor]]) -> None:
+        for tensors, old in zip(self.layers, saved):
+            for name, t in tensors.items():
+                t[slots] = old[name]
 
 
 @dataclass

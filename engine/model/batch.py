@@ -43,6 +43,7 @@ class DecodeTable:
     """A static decode batch's attention metadata (engine/model/graphs.py): one token per row, fixed shapes."""
     page_table: torch.Tensor  # int32 [B, P]: each row's page ids (unused entries: the scratch page)
     ctx_lens: torch.Tensor  # int32 [B]: tokens each row attends to, its own included
+    state_slots: torch.Tensor | None = None  # int64 [B]: each row's recurrent-state slot (models with recurrent layers)
 
 
 @dataclass
@@ -56,3 +57,14 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None = None  # rows to compute logits for; None = every row
     max_position: int = 0
     decode: DecodeTable | None = None  # set for a static decode step: attention reads this table, not `seqs`
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def single_token_rows(self) -> tuple[list[SeqSlice], torch.Tensor | None, torch.Tensor | None]:
+        """The sequences computing one token this step, their rows and their state slots (device tensors; None
+        when there are none): recurrent layers step them together (built once per step, shared by every layer)."""
+        if "ones" not in self._memo:
+            ones = [s for s in self.seqs if s.q_len == 1]
+            dev = self.input_ids.device
+            self._memo["ones"] = (ones, torch.tensor([s.q_start for s in ones], device=dev) if ones else None,
+                                  torch.tensor([s.state for s in ones], device=dev) if ones else None)
+        return self._memo["ones"]

@@ -23,11 +23,19 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     s = state
     out = []
     for t in range(q.shape[0]):
-        s = s * g[t].exp()[:, None, None]
-        delta = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", s, k[t]))
-        s = s + k[t][:, :, None] * delta[:, None, :]
-        out.append(torch.einsum("hkv,hk->hv", s, q[t]))
+        o, s = step(q[t], k[t], v[t], g[t], beta[t], s)
+        out.append(o)
     return torch.stack(out), s
+
+
+def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the rule for any leading dims (one sequence [H, ...], or a batch of sequences [B, H, ...]):
+    q, k [..., Dk], v [..., Dv], g, beta [...], state [..., Dk, Dv]: the output [..., Dv] and the new state."""
+    s = state * g.exp()[..., None, None]
+    delta = beta[..., None] * (v - torch.einsum("...kv,...k->...v", s, k))
+    s = s + k[..., :, None] * delta[..., None, :]
+    return torch.einsum("...kv,...k->...v", s, q), s
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -65,3 +73,10 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> t
     ext = torch.cat((state.to(x.dtype), x.t()), dim=1)  # [C, K - 1 + T]
     out = F.conv1d(ext[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0]  # [C, T]
     return F.silu(out.t()), ext[:, ext.shape[1] - state.shape[1]:]
+
+
+def causal_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of `causal_conv` for a batch of sequences: x [B, C], weight [C, K], state [B, C, K - 1].
+    Returns [B, C] and the new states."""
+    ext = torch.cat((state.to(x.dtype), x[:, :, None]), dim=2)  # [B, C, K]
+    return F.silu((ext * weight.to(x.dtype)).sum(-1)), ext[:, :, 1:]

@@ -61,15 +61,44 @@ class GDNLayer:
         beta = b.float().sigmoid()
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         state = batch.state.layers[ordinal]
-        mixed = torch.empty(qkv.shape[0], n.value_dim, dtype=torch.float32, device=qkv.device)
-        for s in batch.seqs:
-            rows = slice(s.q_start, s.q_start + s.q_len)
-            mixed[rows] = self._sequence(qkv[rows], g[rows], beta[rows], state, s.state, s.saves)
+        if batch.decode is not None:  # a static decode step: one token per row, slots from the table
+            mixed = self._decode(qkv, g, beta, state, batch.decode.state_slots)
+        else:
+            mixed = self._eager(qkv, g, beta, state, batch)
         o = rms_norm(mixed.view(-1, n.num_v_heads, n.head_v_dim), self.norm, cfg.rms_eps)
         o = (o * F.silu(z.float().view_as(o))).reshape(-1, n.value_dim).to(x.dtype)
         residual = residual + self.out(o)
         h = rms_norm(residual, self.post_norm, cfg.rms_eps)
         return self.down(silu_and_mul(self.gate_up(h))), residual
+
+    def _eager(self, qkv, g, beta, state, batch: ForwardBatch) -> torch.Tensor:
+        """The sequences decoding one token step together (batched over their slots); longer ones one at a time."""
+        ones, rows, slots = batch.single_token_rows()
+        if len(ones) == len(batch.seqs):
+            mixed = self._decode(qkv, g, beta, state, slots)
+        else:
+            mixed = torch.empty(qkv.shape[0], self.n.value_dim, dtype=torch.float32, device=qkv.device)
+            if ones:
+                mixed[rows] = self._decode(qkv[rows], g[rows], beta[rows], state, slots)
+            for s in batch.seqs:
+                if s.q_len > 1:
+                    span = slice(s.q_start, s.q_start + s.q_len)
+                    mixed[span] = self._sequence(qkv[span], g[span], beta[span], state, s.state, s.saves)
+        for s in ones:
+            for _, dst in s.saves:  # the state after its one token
+                for t in state.values():
+                    t[dst].copy_(t[s.state])
+        return mixed
+
+    def _decode(self, qkv, g, beta, state, slots: torch.Tensor) -> torch.Tensor:
+        """One token for each of B sequences, read from and written back to their state slots [B]: [B, HV * Dv]."""
+        conv, ssm = state["conv"], state["ssm"]
+        x, window = delta_rule.causal_conv_step(qkv.float(), self.conv, conv.index_select(0, slots))
+        conv.index_copy_(0, slots, window.to(conv.dtype))
+        q, k, v = self._heads(x)
+        o, s = delta_rule.step(q, k, v, g, beta, ssm.index_select(0, slots).float())
+        ssm.index_copy_(0, slots, s.to(ssm.dtype))
+        return o.reshape(qkv.shape[0], -1)
 
     def _sequence(self, qkv, g, beta, state, slot: int, saves) -> torch.Tensor:
         """One sequence's tokens from its slot's state (written back), saving the state after the tokens `saves`
@@ -78,7 +107,9 @@ class GDNLayer:
         outs, start = [], 0
         for end in sorted({i + 1 for i, _ in saves} | {qkv.shape[0]}):
             x, conv_state = delta_rule.causal_conv(qkv[start:end].float(), self.conv, conv_state)
-            o, ssm = self._delta(x, g[start:end], beta[start:end], ssm)
+            q, k, v = self._heads(x)
+            rule = delta_rule.recurrent if end - start == 1 else delta_rule.chunked
+            o, ssm = rule(q, k, v, g[start:end], beta[start:end], ssm)
             outs.append(o)
             for i, dst in saves:
                 if i + 1 == end:
@@ -89,16 +120,14 @@ class GDNLayer:
         state["ssm"][slot].copy_(ssm)
         return torch.cat(outs).reshape(qkv.shape[0], -1)
 
-    def _delta(self, x, g, beta, ssm):
-        """The gated delta rule over conv outputs x [T, 2 Dk HK + Dv HV]: outputs [T, HV, Dv] and the new state."""
+    def _heads(self, x):
+        """Conv outputs [T, 2 Dk HK + Dv HV] -> q, k [T, HV, Dk] (L2-normed, each key head repeated for its value
+        heads, q scaled by Dk^-0.5) and v [T, HV, Dv]."""
         n = self.n
         q, k, v = x.split([n.key_dim, n.key_dim, n.value_dim], dim=-1)
         rep = n.num_v_heads // n.num_k_heads
-        q, k = (_l2norm(t.view(-1, n.num_k_heads, n.head_k_dim)).repeat_interleave(rep, dim=1) for t in (q, k))
-        q = q * n.head_k_dim ** -0.5
-        v = v.view(-1, n.num_v_heads, n.head_v_dim)
-        rule = delta_rule.recurrent if x.shape[0] == 1 else delta_rule.chunked
-        return rule(q, k, v, g, beta, ssm)
+        q, k = (_l2norm(t.reshape(-1, n.num_k_heads, n.head_k_dim)).repeat_interleave(rep, dim=1) for t in (q, k))
+        return q * n.head_k_dim ** -0.5, k, v.reshape(-1, n.num_v_heads, n.head_v_dim)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -9,9 +9,12 @@ depends on the data. On CUDA each
 bucket is captured once (after a warm-up on a side stream) and replayed after copying the step's inputs into its
 tensors; with `capture=False` (the CPU, tests) the same static forward is called directly.
 
+Models with recurrent layers decode the same way: each row also names its state slot (dummy rows: the state pool's
+scratch slot), and the recurrent layers step every row's state together; the state snapshots a step saves are copied
+after it, outside the graph.
+
 Everything else runs eagerly: prefill and mixed steps, speculative verification (several tokens per sequence),
-windowed (TieredPages) sequences, models with recurrent layers, and steps while MTP reads hidden states; the unusual
-ones are logged once.
+windowed (TieredPages) sequences, and steps while MTP reads hidden states; the unusual ones are logged once.
 """
 from __future__ import annotations
 
@@ -68,7 +71,7 @@ class _Static:
     """One bucket's static tensors (its graph and output once captured or run)."""
     batch: int
     pages: int
-    host: torch.Tensor  # int64 [4B + B*P]: ids, positions, slots, ctx_lens, page table, filled on the host
+    host: torch.Tensor  # int64 [5B + B*P]: ids, positions, slots, ctx_lens, state slots, page table, on the host
     flat: torch.Tensor  # the same on the device: copied in one transfer per step
     forward: ForwardBatch
     table64: torch.Tensor
@@ -86,7 +89,7 @@ class DecodeGraphs:
     def __init__(self, runner, scratch_page: int, capture: bool):
         if capture and runner.device.type != "cuda":
             raise NInferError("CUDA graphs need a CUDA device.", "Use --cuda-graphs off on the CPU.")
-        self.runner, self.model, self.kv = runner, runner.model, runner.kv
+        self.runner, self.model, self.kv, self.state = runner, runner.model, runner.kv, runner.state
         self.capture = capture
         self.scratch_page = scratch_page
         self.page_size = runner.page_size
@@ -103,8 +106,6 @@ class DecodeGraphs:
         reason = None
         if any(w.pages.windowed for w in works):
             reason = "a windowed (TieredPages) sequence"
-        elif any(w.state is not None for w in works):
-            reason = "recurrent layers (their state steps eagerly)"
         elif getattr(self.model, "keep_hidden", False):
             reason = "MTP drafting reads the hidden states"
         elif len(works) > MAX_BATCH:
@@ -120,15 +121,16 @@ class DecodeGraphs:
         if key in self.entries:
             return self.entries[key]
         dev = self.runner.device
-        n = 4 * batch + batch * pages
+        n = 5 * batch + batch * pages
         host = torch.zeros(n, dtype=torch.long, pin_memory=self.capture)
         flat = torch.zeros(n, dtype=torch.long, device=dev)
-        ids, positions, slots, ctx = flat[:4 * batch].view(4, batch)
-        table64 = flat[4 * batch:].view(batch, pages)
+        ids, positions, slots, ctx, states = flat[:5 * batch].view(5, batch)
+        table64 = flat[5 * batch:].view(batch, pages)
         decode = DecodeTable(torch.zeros(batch, pages, dtype=torch.int32, device=dev),
-                             torch.zeros(batch, dtype=torch.int32, device=dev))
-        fb = ForwardBatch(input_ids=ids, positions=positions, slots=slots, seqs=[], kv=self.kv, logit_rows=None,
-                          max_position=0, decode=decode)
+                             torch.zeros(batch, dtype=torch.int32, device=dev),
+                             states if self.state is not None else None)
+        fb = ForwardBatch(input_ids=ids, positions=positions, slots=slots, seqs=[], kv=self.kv, state=self.state,
+                          logit_rows=None, max_position=0, decode=decode)
         e = _Static(batch, pages, host, flat, fb, table64, ctx)
         self._fill(e, [])  # every row a dummy while warming up and capturing
         e.flat.copy_(e.host)
@@ -156,12 +158,22 @@ class DecodeGraphs:
 
     REPLAY_TOLERANCE = 1e-3  # of the largest logit: the same kernels on the same inputs, recorded or not
 
-    def _replay_matches(self, e: _Static) -> bool:
-        """A captured graph's first real step, checked once against the same static forward run eagerly."""
+    def _replay_matches(self, e: _Static, works) -> bool:
+        """A captured graph's first real step, checked once against the same static forward run eagerly (the rows'
+        recurrent states are put back in between: the step moves them forward; K/V are rewritten with the same
+        values). On a mismatch the states are put back once more, for the eager step that replaces it."""
+        slots = [w.state.slot for w in works if w.state is not None]
+        before = self.state.read(slots) if slots else None
+        e.graph.replay()
         replayed = e.out.clone()
-        eager = self._forward(e)  # rewrites the same K/V slots with the same values
+        if slots:
+            self.state.write(slots, before)
+        eager = self._forward(e)
         scale = eager.abs().max().clamp_min(1e-6)
-        return bool(((replayed - eager).abs().max() / scale) <= self.REPLAY_TOLERANCE)
+        same = bool(((replayed - eager).abs().max() / scale) <= self.REPLAY_TOLERANCE)
+        if not same and slots:
+            self.state.write(slots, before)
+        return same
 
     def _give_up(self, works, why: str) -> list[torch.Tensor]:
         log.warning("CUDA graphs: %s; decoding without graphs from now on", why)
@@ -173,17 +185,21 @@ class DecodeGraphs:
         b, ps = e.batch, self.page_size
         h = e.host
         h.zero_()
-        ids, positions, slots, ctx = h[:4 * b].view(4, b)
-        table = h[4 * b:].view(b, e.pages)
+        ids, positions, slots, ctx, states = h[:5 * b].view(5, b)
+        table = h[5 * b:].view(b, e.pages)
         table.fill_(self.scratch_page)
         slots.fill_(self.scratch_page * ps)
         ctx.fill_(1)
+        if self.state is not None and self.state.scratch is not None:
+            states.fill_(self.state.scratch)
         for i, w in enumerate(works):
             pos = w.start
             used = w.pages[: pos // ps + 1]
             ids[i], positions[i], ctx[i] = w.tokens[0], pos, pos + 1
             slots[i] = w.pages[pos // ps] * ps + pos % ps
             table[i, :len(used)] = torch.tensor(used, dtype=torch.long)
+            if w.state is not None:
+                states[i] = w.state.slot
 
     def run(self, works) -> list[torch.Tensor]:
         """Logits [1, vocab] per work (copies: the static output is overwritten by the next step)."""
@@ -199,13 +215,17 @@ class DecodeGraphs:
             return self._give_up(works, f"capturing batch {bucket(len(works))}, {pages} pages failed: {err}")
         self._fill(e, works)
         e.flat.copy_(e.host)  # blocking: the host tensor is refilled next step
-        if e.graph is not None:
-            e.graph.replay()
-            if e.runs == 0 and not self._replay_matches(e):
+        if e.graph is not None and e.runs == 0:
+            if not self._replay_matches(e, works):
                 return self._give_up(works, f"the first replay of batch {e.batch}, {e.pages} pages differs from the "
                                             f"same step run eagerly")
+        elif e.graph is not None:
+            e.graph.replay()
         else:
             e.out = self._forward(e)
         e.runs += 1
         self.steps += 1
+        for w in works:  # state snapshots this step saves: the state after its one token
+            for _, dst in w.state.saves if w.state is not None else ():
+                self.state.copy(w.state.slot, dst)
         return [e.out[i:i + 1].clone() for i in range(len(works))]

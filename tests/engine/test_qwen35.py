@@ -102,6 +102,49 @@ def test_greedy_tokens_batched_and_alone_match_transformers(checkpoint):
         loaded.engine.shutdown()
 
 
+@pytest.mark.parametrize("static", [False, True])
+def test_batched_decode_steps_every_state_together_and_matches_transformers(model, checkpoint, static):
+    """Three sequences of odd lengths decode 6 steps together, eagerly (recurrent layers batched over the state
+    slots) and through the static decode forward that CUDA graphs record (batch 3 padded to 4: the dummy row steps
+    the pool's scratch slot). Each row's logits equal transformers' on that sequence alone; a snapshot saved by a
+    decode step at a page boundary holds the state after that token; the other slots are untouched."""
+    hf, _ = checkpoint
+    runner = ModelRunner(model, 8, torch.float32, 64, state_slots=6, static_decode=static)
+    assert (runner.state.scratch is not None) == static
+    prompts = [tokens(40 + i, n) for i, n in enumerate((61, 5, 90))]
+    seqs = []
+    for p in prompts:
+        pages, state = runner.pool.allocate(2), SeqState(runner.state.allocate())
+        runner.run([Work(p, 0, pages, "last", state)])
+        seqs.append((p, pages, state))
+    spare = runner.state.allocate()
+    untouched = [t[spare].clone() for layer in runner.state.layers for t in layer.values()]
+    snapshot = runner.state.allocate()
+    steps = [[int(x) for x in np.random.default_rng(50 + s).integers(2, VOCAB, 3)] for s in range(6)]
+    rows = []
+    for step, new in enumerate(steps):
+        works = []
+        for (p, pages, state), t in zip(seqs, new):
+            state.saves = [(0, snapshot)] if len(p) + step == 63 else []  # the first sequence reaches position 64
+            works.append(Work([t], len(p) + step, pages, "last", state))
+        rows.append(torch.cat(runner.run(works)))
+    if static:
+        assert runner.graphs.steps == 6
+    for i, (p, _, _) in enumerate(seqs):
+        ids = p + [s[i] for s in steps]
+        ref = hf_logits(hf, ids)[len(p) - 1 + 1:]
+        assert rel_err(torch.stack([r[i] for r in rows]), ref) <= 1e-4
+    assert all(torch.equal(a, t[spare]) for a, t in zip(untouched, (t for layer in runner.state.layers
+                                                                     for t in layer.values())))
+    # the snapshot is the first sequence's state after its 64th token: continuing from it gives the same logits
+    first = prompts[0] + [s[0] for s in steps]
+    pages, state = runner.pool.allocate(2), SeqState(runner.state.allocate())
+    runner.state.copy(snapshot, state.slot)
+    runner.kv.copy_pages(seqs[0][1][:1], pages[:1])
+    out = runner.run([Work(first[64:], 64, pages, "all", state)])[0]
+    assert rel_err(out, hf_logits(hf, first)[64:]) <= 1e-4
+
+
 def test_prefix_reuse_restores_the_state_and_matches_a_cold_run(checkpoint):
     """A resent 3,000-token prompt reuses 2,944 tokens (98.1%: every full page but the last token's) from the state
     snapshot at that page boundary; its answer's logprobs equal a cold engine's."""
