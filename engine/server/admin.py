@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.config import BY_NAME, ConfigError, settings_from_mapping
-from engine.server.errors import APIError, invalid_text_at, invalid_text_message, json_type
+from engine.server.errors import APIError, invalid_text_at, invalid_text_message, json_type, shown
 from engine.server.schemas import INT32_MAX
 from engine.server.state import ServerState
 
@@ -30,7 +30,8 @@ _NUMBER = {"type": ["number", "null"]}
 _PUT_SCHEMA = {  # the JSON types of the body (read by hand); each value's range is the config machinery's check
     "type": "object", "additionalProperties": False, "minProperties": 1,
     "properties": {"mode": {"type": "string", "enum": ["chat", "agent"]}, "temperature": _NUMBER, "top_p": _NUMBER,
-                   "top_k": {"type": ["integer", "null"], "maximum": INT32_MAX}, "min_p": _NUMBER, "presence_penalty": _NUMBER,
+                   "top_k": {"type": ["integer", "null"], "maximum": INT32_MAX}, "min_p": _NUMBER,
+                   "presence_penalty": _NUMBER,
                    "frequency_penalty": _NUMBER, "greedy": {"type": "boolean"},
                    "default_max_tokens": {"type": "integer", "minimum": 1, "maximum": INT32_MAX},
                    "default_reasoning_effort": {"type": "string",
@@ -97,7 +98,7 @@ def updated_settings(state: ServerState, changes: object):
             if key in BY_NAME:
                 raise APIError(400, f"{key} cannot be changed while running; restart with {BY_NAME[key].flag}. "
                                     f"Live settings: {', '.join(LIVE_KEYS)}.", code="invalid_request", param=key)
-            raise APIError(400, f"{key!r} is not a setting that can be changed; the live settings are "
+            raise APIError(400, f"{shown(key)} is not a setting that can be changed; the live settings are "
                                 f"{', '.join(LIVE_KEYS)}.", code="invalid_request", param=key)
         problem = _json_problem(key, raw)
         if problem:
@@ -107,7 +108,7 @@ def updated_settings(state: ServerState, changes: object):
         except ConfigError as e:
             raise APIError(400, f"Invalid {key}: {_problem_text(e)}.", code="invalid_request", param=key) from None
         except (ArithmeticError, TypeError, ValueError):  # e.g. a 400-digit integer for a float setting
-            raise APIError(400, f"Invalid {key}: {raw!r:.80} is not an acceptable value.", code="invalid_request",
+            raise APIError(400, f"Invalid {key}: {shown(raw)} is not an acceptable value.", code="invalid_request",
                            param=key) from None
         values[key] = getattr(checked, key)
     sources = {**state.settings.sources, **{key: SOURCE for key in values}}

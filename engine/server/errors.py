@@ -29,6 +29,19 @@ def is_anthropic(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
 
 
+MAX_MESSAGE_CHARS, MAX_PARAM_CHARS, MAX_SHOWN_CHARS = 4096, 200, 100
+
+
+def clip(text: str, limit: int = MAX_SHOWN_CHARS) -> str:
+    """Text cut to `limit` characters with "…": a value a client sent is echoed in part, never a megabyte of it."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def shown(value) -> str:
+    """A value a client sent, as an error message quotes it: its repr, cut to MAX_SHOWN_CHARS."""
+    return clip(repr(value))
+
+
 def printable(text: str) -> str:
     """Text that encodes as UTF-8: a lone surrogate (valid in a JSON string escape, not in UTF-8) shows as \\udxxx."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -69,7 +82,7 @@ def invalid_text_message(where: str) -> str:
 
 
 def anthropic_error_body(status: int, message: str) -> dict:
-    message = printable(message)
+    message = clip(printable(message), MAX_MESSAGE_CHARS)
     kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
 
@@ -93,7 +106,8 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
     kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    message, param = printable(message), None if param is None else printable(param)
+    message = clip(printable(message), MAX_MESSAGE_CHARS)
+    param = None if param is None else clip(printable(param), MAX_PARAM_CHARS)
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 

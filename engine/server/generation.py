@@ -9,7 +9,7 @@ from engine.constrain import Constraint, UnsupportedSchema, json_object_constrai
 from engine.engine import ContextLengthError, QueueFullError
 from engine.errors import NInferError
 from engine.sampling import SamplingParams
-from engine.server.errors import APIError
+from engine.server.errors import APIError, shown
 from engine.server.parsers import ReasoningSplitter, ToolCallStreamer
 from engine.server.schemas import SamplingFields
 from engine.server.state import ServerState
@@ -67,10 +67,10 @@ def _logit_bias(bias: dict[str, float] | None, state: ServerState) -> dict[int, 
         except ValueError:
             token = -1
         if not 0 <= token < vocab:
-            raise APIError(400, f"logit_bias key {key!r} is not a token id of this model (0..{vocab - 1}).",
+            raise APIError(400, f"logit_bias key {shown(key)} is not a token id of this model (0..{vocab - 1}).",
                            param="logit_bias")
         if not -100 <= value <= 100:
-            raise APIError(400, f"logit_bias value for {key} must be between -100 and 100.", param="logit_bias")
+            raise APIError(400, f"logit_bias value for {shown(key)} must be between -100 and 100.", param="logit_bias")
         out[token] = float(value)
     return out
 

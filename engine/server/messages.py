@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
 from engine.server.chat import SSE_HEADERS, output_constraint, render
-from engine.server.errors import APIError
+from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages_reply import MessageReply
 from engine.server.parsers import tool_names_for
@@ -74,7 +74,7 @@ def _text_blocks(content: Any, where: str) -> str:
             raise _bad(f"{where}[{j}] is an {kind} block, but this model reads text only (it has no vision). Send "
                        f"the content as text.", f"{where}[{j}]")
         else:
-            raise _bad(f"{where}[{j}] has type {kind!r}; only text blocks are allowed here.", f"{where}[{j}]")
+            raise _bad(f"{where}[{j}] has type {shown(kind)}; only text blocks are allowed here.", f"{where}[{j}]")
     return "\n".join(texts)
 
 
@@ -87,7 +87,7 @@ def system_prompt(system: str | list[dict] | None) -> str:
     for j, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise _bad(f"system[{j}] has type {kind!r}; system blocks must be text blocks.", f"system[{j}]")
+            raise _bad(f"system[{j}] has type {shown(kind)}; system blocks must be text blocks.", f"system[{j}]")
         text = _string(block, "text", f"system[{j}]")
         if not text.lstrip().startswith(BILLING_HEADER):
             parts.append(text)
@@ -117,7 +117,8 @@ def _user_blocks(content: Any, i: int, out: list[dict]) -> None:
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
-            raise _bad(f"{where} has type {kind!r}; a user turn may hold text, image and tool_result blocks.", where)
+            raise _bad(f"{where} has type {shown(kind)}; a user turn may hold text, image and tool_result blocks.",
+                       where)
 
 
 def _add_user(out: list[dict], text: str) -> None:
@@ -151,7 +152,7 @@ def _assistant_blocks(content: Any, i: int, out: list[dict]) -> None:
                           "function": {"name": block.get("name"),
                                        "arguments": json.dumps(args if isinstance(args, dict) else {})}})
         else:
-            raise _bad(f"{where} has type {kind!r}; an assistant turn may hold text, thinking, redacted_thinking "
+            raise _bad(f"{where} has type {shown(kind)}; an assistant turn may hold text, thinking, redacted_thinking "
                        f"and tool_use blocks.", where)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
     if thinking:
@@ -181,7 +182,7 @@ def to_chat_messages(req: MessagesRequest) -> list[dict]:
         elif role == "assistant":
             _assistant_blocks(content, i, out)
         else:
-            raise _bad(f"messages[{i}].role must be user or assistant (or system), not {role!r}.",
+            raise _bad(f"messages[{i}].role must be user or assistant (or system), not {shown(role)}.",
                        f"messages[{i}].role")
     system_text = "\n\n".join(s for s in system if s)
     return ([{"role": "system", "content": system_text}] if system_text else []) + out
@@ -226,7 +227,7 @@ def thinking_effort(thinking: dict | None) -> str | None:
         return None
     kind = thinking.get("type")
     if not isinstance(kind, str) or kind not in _THINKING_EFFORT:
-        raise _bad(f"thinking.type must be enabled, adaptive or disabled, not {kind!r}.", "thinking.type")
+        raise _bad(f"thinking.type must be enabled, adaptive or disabled, not {shown(kind)}.", "thinking.type")
     return _THINKING_EFFORT[kind]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from engine.server.errors import shown
 from engine.server.reasoning import ReasoningSplitter, split_reasoning
 from engine.server.schemacheck import schema_problems
 from engine.server.toolcalls import (ParsedOutput, StreamEvent, ToolCall, ToolCallStreamer, new_call_id,
@@ -75,14 +76,14 @@ def validate_tools(tools: Any, tool_choice: Any = None) -> list[str]:
             problems.append(f"{where} must be an object")
             continue
         if tool.get("type") != "function":
-            problems.append(f"{where}.type must be \"function\" (got {tool.get('type')!r})")
+            problems.append(f"{where}.type must be \"function\" (got {shown(tool.get('type'))})")
         fn = tool.get("function")
         if not isinstance(fn, dict):
             problems.append(f"{where}.function must be an object with a name")
             continue
         name = fn.get("name")
         if not isinstance(name, str) or not TOOL_NAME_RE.match(name):
-            problems.append(f"{where}.function.name must be 1 to 128 letters, digits, '_' or '-' (got {name!r})")
+            problems.append(f"{where}.function.name must be 1 to 128 letters, digits, '_' or '-' (got {shown(name)})")
         elif name in names:
             problems.append(f"{where}.function.name {name!r} is used by more than one tool")
         else:
@@ -102,8 +103,8 @@ def validate_tools(tools: Any, tool_choice: Any = None) -> list[str]:
             problems.append("tool_choice must be \"none\", \"auto\", \"required\" or "
                             "{\"type\": \"function\", \"function\": {\"name\": ...}}")
         elif named not in names:
-            problems.append(f"tool_choice names the function {named!r}, which is not among the tools")
+            problems.append(f"tool_choice names the function {shown(named)}, which is not among the tools")
     else:
         problems.append(f"tool_choice must be \"none\", \"auto\", \"required\" or a function object "
-                        f"(got {tool_choice!r})")
+                        f"(got {shown(tool_choice)})")
     return problems

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
 from engine.server.chat import SSE_HEADERS, output_constraint, render
-from engine.server.errors import APIError
+from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages import OMITTED_TOOLS_HEADER
 from engine.server.parsers import tool_names_for
@@ -63,7 +63,7 @@ def _effort(req: ResponsesRequest) -> str | None:
     if effort is None:
         return None
     if effort not in _EFFORT:
-        raise APIError(400, f"reasoning.effort must be one of {', '.join(_EFFORT)}, not {effort!r}.",
+        raise APIError(400, f"reasoning.effort must be one of {', '.join(_EFFORT)}, not {shown(effort)}.",
                        param="reasoning.effort")
     return _EFFORT[effort]
 

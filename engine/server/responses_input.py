@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.server.errors import APIError
+from engine.server.errors import APIError, shown
 
 LOCAL_SHELL = "local_shell"
 _LOCAL_SHELL_PARAMS = {"type": "object", "properties": {
@@ -78,7 +78,7 @@ def _custom_function(t: dict, where: str) -> dict:
         else:
             description += f"\nThe input must follow this {fmt.get('syntax', 'lark')} grammar:\n{definition}"
     elif fmt.get("type") not in (None, "text"):
-        raise APIError(400, f"{where}.format.type must be text or grammar, not {fmt.get('type')!r}.",
+        raise APIError(400, f"{where}.format.type must be text or grammar, not {shown(fmt.get('type'))}.",
                        param=f"{where}.format")
     return {"name": t.get("name"), "description": description.strip(),
             "parameters": {"type": "object", "properties": {"input": text_schema}, "required": ["input"]}}
@@ -115,8 +115,8 @@ def read_tools(tools: list[dict] | None) -> ResponseTools:
             for j, sub in enumerate(t.get("tools") or []):
                 sub_kind = sub.get("type") if isinstance(sub, dict) else None
                 if sub_kind not in ("function", "custom"):
-                    raise APIError(400, f"{where}.tools[{j}] has type {sub_kind!r}; a namespace holds function and "
-                                        f"custom tools.", param=f"{where}.tools[{j}].type")
+                    raise APIError(400, f"{where}.tools[{j}] has type {shown(sub_kind)}; a namespace holds function "
+                                        f"and custom tools.", param=f"{where}.tools[{j}].type")
                 fn = _function(sub) if sub_kind == "function" else _custom_function(sub, f"{where}.tools[{j}]")
                 if not isinstance(sub.get("name"), str):
                     raise APIError(400, f"{where}.tools[{j}].name must be a string.", param=f"{where}.tools[{j}].name")
@@ -164,7 +164,7 @@ def _text(content: Any, where: str) -> str:
             raise APIError(400, f"{where}[{j}] is an {kind} part, but this model reads text only (it has no "
                                 f"vision). Send the content as text.", param=f"{where}[{j}]")
         else:
-            raise APIError(400, f"{where}[{j}] has type {kind!r}; content parts may be input_text or output_text.",
+            raise APIError(400, f"{where}[{j}] has type {shown(kind)}; content parts may be input_text or output_text.",
                            param=f"{where}[{j}]")
     return "".join(texts)
 
@@ -230,7 +230,7 @@ def read_input(instructions: str | None, items: str | list[dict], tools: Respons
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id") or item.get("id") or ""),
                              "content": _output(item, where)})
         else:
-            raise APIError(400, f"{where} has type {kind!r}; supported: message, reasoning, function_call, "
+            raise APIError(400, f"{where} has type {shown(kind)}; supported: message, reasoning, function_call, "
                                 f"function_call_output, custom_tool_call, custom_tool_call_output, local_shell_call, "
                                 f"local_shell_call_output.", param=f"{where}.type")
     return messages

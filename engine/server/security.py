@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
 from engine.config import is_loopback
-from engine.server.errors import body_for
+from engine.server.errors import body_for, shown
 
 PUBLIC_PATHS = frozenset({"/health"})  # answered without the API key (GET and HEAD)
 CORS_METHODS = ("GET", "POST", "PUT", "OPTIONS")
@@ -73,8 +73,8 @@ class HostCheck:
         name = host_name(hosts[0].decode("latin-1")) if hosts else "localhost"
         if len(hosts) <= 1 and is_loopback(name):
             return await self.app(scope, receive, send)
-        shown = hosts[0].decode("latin-1") if len(hosts) == 1 else ", ".join(h.decode("latin-1") for h in hosts)
-        message = (f"The Host header {shown!r} is not allowed: this server listens on {self.bound} (this computer "
+        sent = hosts[0].decode("latin-1") if len(hosts) == 1 else ", ".join(h.decode("latin-1") for h in hosts)
+        message = (f"The Host header {shown(sent)} is not allowed: this server listens on {self.bound} (this computer "
                    f"only) and answers requests addressed to localhost, 127.0.0.1 or [::1], which protects it from "
                    f"DNS-rebinding attacks by web pages. Connect through http://127.0.0.1 or http://localhost; to serve "
                    f"other names, listen on them with --host and set --api-key (or NINFER_API_KEY).")
@@ -100,7 +100,7 @@ class _CORS(CORSMiddleware):
             return response
         what = bytes(response.body).decode("utf-8", "replace")  # e.g. "Disallowed CORS origin, method"
         origin = request_headers.get("origin", "")
-        message = (f"The CORS preflight from origin {origin[:200]!r} was refused ({what}). This server allows the "
+        message = (f"The CORS preflight from origin {shown(origin)} was refused ({what}). This server allows the "
                    f"origins in --cors-origins, the methods {', '.join(CORS_METHODS)} and the headers "
                    f"{', '.join(CORS_HEADERS)}.")
         return JSONResponse(body_for(_PATH.get(), response.status_code, message, "cors_refused"),

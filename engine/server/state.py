@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from engine.config import Settings, sampling_defaults
 from engine.metrics import Metrics
-from engine.server.errors import APIError
+from engine.server.errors import APIError, shown
 
 
 @dataclass
@@ -52,13 +52,13 @@ class ServerState:
             if fnmatch.fnmatchcase(requested, pattern.strip()):
                 target = target.strip() or self.model_ids[0]
                 if target not in self.model_ids:
-                    raise APIError(404, f"The model alias {alias!r} maps {requested!r} to {target!r}, which this "
-                                        f"server does not serve; it serves {_listed(self.model_ids)}. Fix the "
+                    raise APIError(404, f"The model alias {shown(alias)} maps {shown(requested)} to {shown(target)}, "
+                                        f"which this server does not serve; it serves {_listed(self.model_ids)}. Fix the "
                                         f"--model-alias setting.", code="model_not_found", param="model")
                 return target
         hint = (" Map other names to it with --model-alias PATTERN=ID (e.g. --model-alias 'claude-*="
                 f"{self.model_ids[0]}')." if self.model_ids else "")
-        raise APIError(404, f"The model '{requested}' does not exist on this server; it serves "
+        raise APIError(404, f"The model {shown(requested)} does not exist on this server; it serves "
                             f"{_listed(self.model_ids)}.{hint}", code="model_not_found", param="model")
 
 

@@ -149,3 +149,28 @@ def test_settings_put_takes_only_json_types_and_bounded_numbers(client, scripted
 def test_a_responses_input_string_is_not_held_to_the_item_limit(client):
     r = client.post("/v1/responses", json={"model": "scripted", "input": "word " * 1000})  # 5,000 characters
     assert r.status_code == 200, r.text
+
+
+MIB = "a" * (1 << 20)
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": HELLO, "tools": [{"type": "function", "function": {"name": MIB}}]}),
+    ("/v1/chat/completions", {"messages": HELLO, "tools": [{"type": MIB, "function": {"name": "f"}}]}),
+    ("/v1/chat/completions", {"messages": HELLO, "logit_bias": {MIB: 1}}),
+    ("/v1/responses", {"input": [{"type": MIB}]}),
+    ("/v1/messages", {"max_tokens": 8, "messages": [{"role": MIB, "content": "hi"}]}),
+])
+def test_a_huge_value_is_echoed_only_in_part(client, path, body):
+    r = client.post(path, json={"model": "scripted", **body})
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert len(err["message"]) < 1000 and "aaaa…" in err["message"]
+    assert len(err.get("param") or "") <= 201
+
+
+def test_a_huge_model_name_or_setting_name_is_echoed_only_in_part(client):
+    r = client.post("/v1/chat/completions", json={"model": MIB, "messages": HELLO})
+    assert r.status_code == 404 and len(r.json()["error"]["message"]) < 1000 and "…" in r.text
+    r = client.put("/ninfer/v1/settings", json={MIB: 1})
+    assert r.status_code == 400 and len(r.text) < 1500 and "…" in r.json()["error"]["message"]
