@@ -12,7 +12,10 @@
 6. end to end on a synthetic 27B-shaped llama (random ternary and int4 weights built on the device, capped to
    --memory-cap-gib with torch.cuda.set_per_process_memory_fraction): decode tok/s with CUDA graphs and eager
    (and whether both give the same greedy tokens) against the roofline (copy bandwidth / bytes read per token), and
-   prefill tok/s with the low-bit kernels and with --prefill-cublas (dequantize + cuBLAS).
+   prefill tok/s with the low-bit kernels and with --prefill-cublas (dequantize + cuBLAS);
+7. end to end on a synthetic Qwen3.5-27B-shaped Gated-DeltaNet hybrid (ternary, engine/tools/gpu_check_hybrid.py):
+   prefill tok/s to 32K, decode tok/s at 4K and 32K context (graphs and eager) against the roofline, the recurrent
+   state bytes per sequence and the KV bytes per token.
 It prints a short table last and writes every number to DIR/gpu_check.json. --tiny shrinks every shape so the
 same code runs in seconds on a CPU (the test suite does that); --device cpu without --tiny is allowed but slow."""
 from __future__ import annotations
@@ -35,10 +38,10 @@ from engine.model.linear import PREFILL_DENSE_ROWS
 from engine.model.llama import LlamaModel
 from engine.model.weights import LoadedWeights
 from engine.runner import ModelRunner, Work
+from engine.tools.gpu_check_hybrid import TINY_HYBRID, HybridShape, end_to_end_hybrid, table_rows
+from engine.tools.synthetic import BITS, GIB, random_weight
 from kernels import dispatch
-from kernels.quant import QuantizedWeight
 
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -124,24 +127,6 @@ def ceilings(device: torch.device, tiny: bool, ms) -> dict:
     return {"copy_gbps": 2 * n / copy_ms / 1e6, "bf16_tflops": 2 * dim**3 / mm_ms / 1e9}
 
 
-def random_weight(fmt: str, out_f: int, in_f: int, device: torch.device):
-    """A QuantizedWeight of random codes and scales, built on the device (never all zeros)."""
-    group = {"int8": in_f, "int4_asym": 32, "ternary": 64}[fmt]
-    per_byte = {"int8": 1, "int4_asym": 2, "ternary": 4}[fmt]
-    if fmt == "int8":
-        q = torch.randint(-127, 128, (out_f, in_f), dtype=torch.int8, device=device)
-    elif fmt == "ternary":  # 2-bit codes 0..2 (3 is not a ternary value), four to a byte
-        c = torch.randint(0, 3, (out_f, in_f // 4, 4), dtype=torch.uint8, device=device)
-        q = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
-    else:
-        q = torch.randint(0, 256, (out_f, in_f // per_byte), dtype=torch.uint8, device=device)
-    groups = in_f // group
-    scale_dtype = torch.float32 if fmt == "int8" else torch.float16
-    scales = (torch.rand(out_f, groups, device=device) * 0.02 + 0.001).to(scale_dtype)
-    mins = (torch.randn(out_f, groups, device=device) * 0.01).to(torch.float16) if fmt == "int4_asym" else None
-    return QuantizedWeight(fmt, q.contiguous(), scales, mins, group, (out_f, in_f))
-
-
 def gemv(device: torch.device, shape: Shape, ms, copy_gbps: float) -> list[dict]:
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -223,7 +208,7 @@ def synthetic_model(shape: Shape, fmt: str, device: torch.device):
 def end_to_end(device: torch.device, shape: Shape, fmt: str, copy_gbps: float, cap_gib: float, tiny: bool) -> dict:
     """Decode and prefill tok/s of the synthetic model; layers are cut (and said so) when the weights would not fit
     the memory cap with room for the KV cache and activations."""
-    per_layer = sum(o * i for o, i in shape.linears().values()) * {"int8": 8.25, "int4_asym": 5.0, "ternary": 2.25}[fmt] / 8
+    per_layer = sum(o * i for o, i in shape.linears().values()) * BITS[fmt] / 8
     budget = cap_gib * GIB * 0.8 - shape.vocab * shape.hidden * 3
     layers = max(1, min(shape.layers, int(budget // per_layer))) if device.type == "cuda" else shape.layers
     cut = Shape(**{**shape.__dict__, "layers": layers})
@@ -320,6 +305,7 @@ def table(results: dict) -> str:
                      f"{r['prefill_tps']:.0f} | {r['prefill_cublas_tps']:.0f} | {r['decode_tps']:.1f} | "
                      f"{r['decode_eager_tps']:.1f} | {r['same_tokens']}/{r['decode_steps']} | "
                      f"{r['roofline_tps']:.1f} | {r['pct_roofline']:.0f}% |")
+    lines.extend(table_rows(results.get("hybrid", [])))
     return "\n".join(lines)
 
 
@@ -350,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     results["attention"] = attention(device, shape, ms, args.tiny, copy)
     results["end_to_end"] = [end_to_end(device, shape, fmt, copy, args.memory_cap_gib, args.tiny)
                              for fmt in ("ternary", "int4_asym")]
+    results["hybrid"] = [end_to_end_hybrid(device, TINY_HYBRID if args.tiny else HybridShape(), "ternary", copy,
+                                           args.memory_cap_gib, args.tiny)]
     (args.out / "gpu_check.json").write_text(json.dumps(results, indent=2))
     print(table(results))
     failed = results.get("kernel_tests", {}).get("returncode", 0)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.tools import gpu_check
+from engine.tools import gpu_check, synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
 # The project's dependencies other than torch, triton and numpy (by import name): a GPU machine may lack them all.
@@ -49,7 +49,19 @@ def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tmp_path, capsy
         assert r["decode_eager_tps"] > 0 and r["prefill_cublas_tps"] > 0
         # the static decode path (what CUDA graphs capture, called directly here) and the eager one agree
         assert r["decode_path"] == "static decode, no capture" and r["same_tokens"] == r["decode_steps"] > 0
+    (h,) = results["hybrid"]
+    tiny = gpu_check.TINY_HYBRID
+    assert h["layers"] == h["of_layers"] == tiny.layers and [d["context"] for d in h["depths"]] == [128, 256]
+    # the state is what the shape says: per GDN layer a conv window and the fp32 delta-rule state
+    gdn_layers = tiny.layers - tiny.layers // tiny.interval
+    conv_dim = 2 * tiny.k_heads * tiny.head_k + tiny.v_heads * tiny.head_v
+    assert h["state_mib_per_sequence"] * 2**20 == gdn_layers * (tiny.v_heads * tiny.head_k * tiny.head_v * 4
+                                                                + conv_dim * 3 * 4)
+    assert h["kv_bytes_per_token"] == tiny.layers // tiny.interval * 2 * tiny.kv_heads * tiny.head_dim * 4
+    for d in h["depths"]:  # the static decode path (what CUDA graphs record) steps the state as the eager one does
+        assert d["same_tokens"] == h["decode_steps"] and d["decode_graphs_tps"] > 0 and d["pct_roofline"] > 0
     table = capsys.readouterr().out
+    assert "| hybrid |" in table and "| ternary | 4/4 |" in table
     assert "| GEMV |" in table and "| ternary | 2/2 |" in table and "% roofline" in table
     assert "| attention KV |" in table and "| k8v4 | 1024 |" in table
 
@@ -78,7 +90,7 @@ def test_synthetic_weights_are_what_the_formats_say():
     from kernels.quant import dequantize
 
     for fmt in gpu_check.FORMATS:
-        w = gpu_check.random_weight(fmt, 64, 256, torch.device("cpu"))
+        w = synthetic.random_weight(fmt, 64, 256, torch.device("cpu"))
         dense = dequantize(w)
         assert dense.shape == (64, 256) and torch.isfinite(dense).all() and dense.abs().sum() > 0
         if fmt == "ternary":  # codes 0..2 only: values are -s, 0, +s per group
