@@ -72,7 +72,7 @@ def run_ledger(args: argparse.Namespace, probe: Any = None) -> int:
         if ram is None:
             ram = report.ram_available_mib
     try:
-        shape = ModelShape.from_path(args.model)
+        shape = ModelShape.from_path(args.model).on_device(int(vram) > 0, args.weight_dtype or "auto")
         overrides = {k: getattr(args, k, None) for k in _KEYS}
         ledger = build_ledger(shape, None, vram_mib=int(vram), ram_mib=int(ram), **overrides)
     except NInferError as e:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -24,11 +24,21 @@ class LinearAttention:
     conv_dim: int = 0
     conv_kernel: int = 4
     kind: str = "gated-deltanet"
+    conv_bytes: int = 2  # the conv window is kept in the activations' dtype: bf16 on a GPU (see activation_bytes)
 
     def state_bytes(self, fp16: bool = False) -> int:
+        """Per sequence: the delta-rule state (fp32, or fp16 with --gdn-state-fp16) and the conv window."""
         recurrent = self.num_v_heads * self.head_k_dim * self.head_v_dim * (2 if fp16 else 4)
-        conv = max(self.conv_kernel - 1, 0) * self.conv_dim * 2
+        conv = max(self.conv_kernel - 1, 0) * self.conv_dim * self.conv_bytes
         return self.layers * (recurrent + conv)
+
+
+def activation_bytes(weight_dtype: str, on_gpu: bool) -> int:
+    """Bytes of one activation value as engine.build picks their dtype: a float --weight-dtype (fp32, fp16, bf16)
+    itself; auto and the low-bit formats bf16 on a GPU, fp32 on the CPU (engine.model.formats.pick_dtype)."""
+    if weight_dtype in ("fp32", "fp16", "bf16"):
+        return int(WEIGHT_BITS[weight_dtype]) // 8
+    return 2 if on_gpu else 4
 
 
 @dataclass(frozen=True)
@@ -59,15 +69,22 @@ class ModelShape:
     # -- constructors
     @classmethod
     def from_config(cls, cfg: Any, *, stored_bytes: int = 0, stored_format: str = "", source: str = "config",
-                    params: int | None = None, cache_specs: list | None = None) -> "ModelShape":
-        """From an engine ModelConfig: KV for its attention layers; `cache_specs` (a model's, per layer,
-        engine/memory/specs.py) give the recurrent state a sequence holds."""
+                    params: int | None = None, cache_specs: list | None = None, mtp_layers: int = 0) -> "ModelShape":
+        """From an engine ModelConfig: KV for its attention layers, and for a hybrid the linear-attention layers'
+        state (cfg.linear: the GDN state in fp32 or fp16, the conv window in bf16, as on a GPU). `cache_specs` (a
+        built model's, per layer, engine/memory/specs.py) give the recurrent state a sequence holds exactly, in the
+        dtypes that model chose; `mtp_layers`: the checkpoint's MTP layers."""
         recurrent = [s for s in cache_specs or () if s.kind == "recurrent"]
+        n, linear_layers = getattr(cfg, "linear", None), cfg.layer_kinds.count("recurrent")
+        linear = None
+        if n is not None and linear_layers:
+            linear = LinearAttention(linear_layers, n.num_v_heads, n.head_k_dim, n.head_v_dim, n.conv_dim,
+                                     n.conv_kernel)
         return cls(name=cfg.name or cfg.arch, layers=cfg.num_layers, full_attention_layers=cfg.attention_layers,
                    kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
                    params=params or cfg.num_parameters(), heads=cfg.num_heads, intermediate=cfg.intermediate_size,
                    max_position=cfg.max_position, stored_bytes=stored_bytes, stored_format=stored_format,
-                   source=source, recurrent_layers=len(recurrent),
+                   source=source, linear=linear, mtp_layers=mtp_layers, recurrent_layers=len(recurrent),
                    state_bytes_override=sum(s.nbytes for s in recurrent) if recurrent else None)
 
     @classmethod
@@ -86,6 +103,13 @@ class ModelShape:
 
         p = resolve_model_path(str(path) if path else None)
         return _folder_shape(p) if p.is_dir() else _gguf_shape(p)
+
+    def on_device(self, on_gpu: bool, weight_dtype: str = "auto") -> "ModelShape":
+        """This shape with the linear-attention conv window in the dtype the engine keeps it in on that device with
+        that --weight-dtype (activation_bytes); unchanged without one, or when a built model's specs count it."""
+        if self.linear is None or self.state_bytes_override is not None:
+            return self
+        return replace(self, linear=replace(self.linear, conv_bytes=activation_bytes(weight_dtype, on_gpu)))
 
     # -- derived numbers
     @property
@@ -114,7 +138,8 @@ class ModelShape:
         """One decoder layer (attention + MLP) and the 2h -> h projection; embeddings and lm_head are shared."""
         h = self.hidden
         q = (self.heads or self.hidden // self.head_dim) * self.head_dim
-        attn = 2 * h * q + 2 * h * self.kv_heads * self.head_dim
+        gate = q if self.linear else 0  # the hybrids' gated attention: q_proj also gives each head its output gate
+        attn = 2 * h * q + h * gate + 2 * h * self.kv_heads * self.head_dim
         mlp = 3 * h * (self.intermediate or 3 * h)
         return attn + mlp + 2 * h * h + 4 * h
 
@@ -141,19 +166,30 @@ def _qwen35_27b_like() -> ModelShape:
         weight_bytes_by_dtype={"ternary": round(6.70 * GIB)})
 
 
+def _gguf_block(name: str) -> int:
+    """The block a GGUF tensor belongs to (blk.N.*), -1 for the others (embeddings, output)."""
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else -1
+
+
 def _gguf_shape(path: Path) -> ModelShape:
-    from engine.model.config import GGUF_ARCHS
+    from engine.model.config import GGUF_ARCHS, GGUF_HYBRID_ARCHS, GGUF_MOE_ARCHS
     from engine.model.gguf_file import _field, open_gguf, read_config
 
     reader = open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch in GGUF_ARCHS + GGUF_HYBRID_ARCHS or arch in GGUF_MOE_ARCHS:
+        # the engine's own reader (MoE files are refused as the engine refuses them); the weights line counts the
+        # main model, the MTP blocks llama.cpp appends (blk.{layers}.nextn.*) are the MTP draft line
+        cfg = read_config(reader, path)
+        main = [t for t in reader.tensors if _gguf_block(t.name) < cfg.num_layers]
+        fmt = f"GGUF {'/'.join(sorted({t.tensor_type.name for t in main}))}"
+        mtp = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+        return ModelShape.from_config(cfg, stored_bytes=sum(int(t.n_bytes) for t in main), stored_format=fmt,
+                                      source="gguf", params=sum(int(t.n_elements) for t in main), mtp_layers=mtp)
     stored = sum(int(t.n_bytes) for t in reader.tensors)
     params = sum(int(t.n_elements) for t in reader.tensors)
-    kinds = sorted({t.tensor_type.name for t in reader.tensors})
-    fmt = f"GGUF {'/'.join(kinds)}"
-    arch = _field(reader, "general.architecture")
-    if arch in GGUF_ARCHS:
-        return ModelShape.from_config(read_config(reader, path), stored_bytes=stored, stored_format=fmt,
-                                      source="gguf", params=params)
+    fmt = f"GGUF {'/'.join(sorted({t.tensor_type.name for t in reader.tensors}))}"
 
     def get(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
@@ -191,31 +227,50 @@ def _gguf_shape(path: Path) -> ModelShape:
                       source="gguf", linear=linear, mtp_layers=int(get("nextn_predict_layers", 0) or 0))
 
 
-def _safetensors_totals(folder: Path) -> tuple[int, int, str]:
-    """(parameters, bytes, dtypes) from the safetensors headers, without reading any tensor."""
+@dataclass(frozen=True)
+class _Totals:
+    params: int = 0
+    stored: int = 0
+    dtypes: str = ""
+    mtp_layers: int = 0
+    files: int = 0
+
+
+def _safetensors_totals(folder: Path) -> _Totals:
+    """The text model's parameters, bytes and dtypes from the safetensors headers, without reading any tensor: the
+    vision tower of a multimodal checkpoint is never loaded, and the MTP layers (mtp.*) are the MTP draft line."""
+    from engine.model.config import VISION_PREFIX
+
     params = stored = 0
     dtypes: set[str] = set()
-    for f in sorted(folder.glob("*.safetensors")):
+    mtp: set[str] = set()
+    files = sorted(folder.glob("*.safetensors"))
+    for f in files:
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
         for name, entry in header.items():
-            if name == "__metadata__":
+            if name == "__metadata__" or name.startswith(VISION_PREFIX):
+                continue
+            if name.startswith("mtp."):
+                if name.startswith("mtp.layers."):
+                    mtp.add(name.split(".")[2])
                 continue
             params += math.prod(int(d) for d in entry.get("shape", []))
             start, end = entry.get("data_offsets", (0, 0))
             stored += int(end) - int(start)
             dtypes.add(str(entry.get("dtype", "?")))
-    return params, stored, "/".join(sorted(dtypes))
+    return _Totals(params, stored, "/".join(sorted(dtypes)), len(mtp), len(files))
 
 
 def _folder_shape(folder: Path) -> ModelShape:
     try:
-        params, stored, dtypes = _safetensors_totals(folder)
+        totals = _safetensors_totals(folder)
     except (OSError, ValueError, struct.error) as e:
         raise ModelLoadError(f"{folder}: a safetensors header cannot be read ({e}).",
                              "The file is truncated or damaged; download it again.") from None
-    fmt = f"safetensors {dtypes}" if dtypes else ""
+    params, stored = totals.params, totals.stored
+    fmt = f"safetensors {totals.dtypes}" if totals.dtypes else ""
     try:
         raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -226,8 +281,11 @@ def _folder_shape(folder: Path) -> ModelShape:
     if any(a in HF_ARCHS for a in raw.get("architectures") or []):
         from engine.model.hf_folder import read_config
 
+        # MTP layers: those the weights hold; without weights (a config.json alone), what the config says
+        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+        mtp = totals.mtp_layers if totals.files else int(text.get("mtp_num_hidden_layers") or 0)
         return ModelShape.from_config(read_config(folder), stored_bytes=stored, stored_format=fmt, source="hf",
-                                      params=params or None)
+                                      params=params or None, mtp_layers=mtp)
     text = raw.get("text_config") or raw  # multimodal checkpoints nest the language model's config
     try:
         layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])

@@ -1,6 +1,7 @@
 """The shape of a model: everything the forward pass needs to know, read from GGUF metadata or config.json."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import ModelLoadError
@@ -21,7 +22,13 @@ HF_ARCHS = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3_5ForCausalLM": "qwen35",
     "Qwen3NextForCausalLM": "qwen35",  # dense only (engine/model/hf_folder.py refuses MoE layers); grouped projections
+    "Qwen3_5ForConditionalGeneration": "qwen35",  # the published Qwen3.5 checkpoints: text model + vision tower
 }
+# Multimodal wrappers whose config.json nests the language model's fields under "text_config" and whose weights
+# hold the text model under "model.language_model." beside a vision tower ("model.visual."), which is not loaded:
+# this engine serves text only.
+HF_TEXT_CONFIG_ARCHS = ("Qwen3_5ForConditionalGeneration",)
+VISION_PREFIX = "model.visual."
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,8 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     def num_parameters(self) -> int:
-        attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        emb = self.vocab_size * self.hidden_size * (1 if self.tie_embeddings else 2)
-        return self.num_layers * (attn + mlp + 2 * self.hidden_size) + emb + self.hidden_size
+        """Every parameter the model class of this architecture reads (embeddings, lm_head unless tied, each layer's
+        tensors for its kind: engine.model.registry), as its loader checks them."""
+        from engine.model.registry import model_class
+
+        return sum(math.prod(shape) for shape in model_class(self.arch).expected_shapes(self).values())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 
@@ -9,8 +10,10 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
-from engine.model.config import HF_ARCHS, LinearAttentionConfig, ModelConfig
+from engine.model.config import HF_ARCHS, HF_TEXT_CONFIG_ARCHS, VISION_PREFIX, LinearAttentionConfig, ModelConfig
 from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete
+
+log = logging.getLogger("ninfer.model")
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -24,18 +27,26 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path} cannot be read: {e}.", "Download the model folder again.") from None
     archs = raw.get("architectures") or []
     arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
-    if QWEN3_NEXT in archs:
-        raw = {**QWEN3_NEXT_DEFAULTS, **raw}
-        _refuse_moe_layers(raw, folder)
-    if arch is None and any("Moe" in a for a in archs):
-        raise ModelLoadError(f"{folder.name}: {archs[0]} is a mixture-of-experts model; this engine does not run "
-                             f"MoE layers yet.", f"Use a dense model of the family (supported: {', '.join(sorted(HF_ARCHS))}).")
+    moe = next((a for a in archs if "Moe" in a), None)
+    if arch is None and moe:
+        raise ModelLoadError(f"{folder.name}: {moe} is a mixture-of-experts model; this engine does not run MoE "
+                             f"layers yet.", f"Use a dense model of the family (supported: {', '.join(sorted(HF_ARCHS))}"
+                                             f"; e.g. Qwen3.5-27B is Qwen3_5ForConditionalGeneration).")
     if arch is None:
         raise ModelLoadError(f"{folder.name}: architecture {archs or raw.get('model_type')} is not supported.",
                              f"Supported: {', '.join(sorted(HF_ARCHS))}.")
+    if any(a in HF_TEXT_CONFIG_ARCHS for a in archs):
+        raw = _text_config(raw, path)
+    if QWEN3_NEXT in archs:
+        raw = {**QWEN3_NEXT_DEFAULTS, **raw}
+        _refuse_moe_layers(raw, folder)
+    elif arch == "qwen35":
+        raw = {**QWEN3_5_DEFAULTS, **raw}
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = None if rope_type in (None, "default") else dict(rope, rope_type=rope_type)
+    # Multimodal RoPE (mrope_section): text positions are equal in its three streams (time, height, width), so
+    # for text it is plain RoPE (transformers' Qwen3_5TextRotaryEmbedding with equal position ids).
+    scaling = None if rope_type in (None, "default", "mrope") else dict(rope, rope_type=rope_type)
     try:
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
@@ -59,6 +70,16 @@ def read_config(folder: Path) -> ModelConfig:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: field {e} is missing or malformed.", "Download the model folder again.") from None
+
+
+def _text_config(raw: dict, path: Path) -> dict:
+    """A multimodal checkpoint's language model (Qwen3_5ForConditionalGeneration): the fields of "text_config".
+    transformers ties the wrapper's lm_head to the embeddings by the top-level tie_word_embeddings (default false)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{path}: {raw['architectures'][0]} keeps its language model's fields under "
+                             f"\"text_config\", which is missing or not an object.", "Download the model folder again.")
+    return {**text, "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False))}
 
 
 # config.json "layer_types" -> engine layer kinds (engine/memory/specs.py). Sliding-window layers run as full
@@ -91,6 +112,11 @@ QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "linear_num_key_heads": 16, "linear_num_
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
                        "partial_rotary_factor": 0.25, "num_experts": 512, "decoder_sparse_step": 1,
                        "mlp_only_layers": [], "max_position_embeddings": 32768}
+
+# Qwen3.5 (Qwen3_5TextConfig, also inside Qwen3_5ForConditionalGeneration's text_config): transformers' defaults
+QWEN3_5_DEFAULTS = {"head_dim": 256, "num_key_value_heads": 4, "linear_num_key_heads": 16,
+                    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                    "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25, "max_position_embeddings": 32768}
 
 
 def _refuse_moe_layers(raw: dict, folder: Path) -> None:
@@ -165,6 +191,11 @@ def load_folder(folder: Path, progress: Progress | None = None,
         raise ModelLoadError(f"{folder}: a safetensors file cannot be opened ({e}).",
                              "The file is truncated or damaged; download it again.") from None
     names = [(h, k) for h in handles for k in h.keys()]
+    vision = [k for _, k in names if k.startswith(VISION_PREFIX)]
+    if vision:  # never read: text-only serving
+        names = [(h, k) for h, k in names if not k.startswith(VISION_PREFIX)]
+        log.info("%s: the vision tower (%d tensors under %s*) is not loaded; this engine serves text only",
+                 folder.name, len(vision), VISION_PREFIX)
     ticker = Ticker(len(names), progress, cancel)
     tensors: dict[str, torch.Tensor] = {}
     storage: dict[str, str] = {}
