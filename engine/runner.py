@@ -33,8 +33,9 @@ class ModelRunner:
                  static_decode: bool = False, state_slots: int = 0, max_batch: int = 0):
         """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA;
         `prefill_cublas`: low-bit layers run chunks of PREFILL_DENSE_ROWS+ rows as dense matmuls (linear.DenseScratch);
-        `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); `static_decode`:
-        without graphs, run decode steps through the same static forward, called directly (the CPU tests);
+        `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); without graphs a
+        CUDA device runs them through the same static forward, called directly; `static_decode`: so does the CPU (the
+        tests; the CPU's own decode reads contiguous pages as views, faster than the page-table twin);
         `state_slots`: recurrent-state slots (engine/memory/state.py), for a model with recurrent layers;
         `max_batch`: the most sequences a step runs (0: unknown); static batches of more than 2 may pad with dummy rows,
         whose recurrent state steps in one more, scratch, slot.
@@ -47,7 +48,9 @@ class ModelRunner:
         attention = [s for s in specs if s.kind == "attention"]
         recurrent = [s for s in specs if s.kind == "recurrent"]
         capture = resolve_cuda_graphs(cuda_graphs, torch.device(model.device))
-        static = capture or static_decode  # one more KV page: the scratch page of the static batches' dummy rows
+        # decode steps run the static forward on CUDA (recorded as graphs or called directly: one decode path), and
+        # on the CPU where asked (the tests); one more KV page: the scratch page of the static batches' dummy rows
+        static = capture or static_decode or torch.device(model.device).type == "cuda"
         self.kv = KVCache(len(attention), num_pages + static, attention[0].num_kv_heads, attention[0].head_dim,
                           kv_dtype, model.device, page_size)
         if recurrent and state_slots < 1:

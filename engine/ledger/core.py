@@ -229,14 +229,15 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     add("activations", f"activations/workspace (prefill chunk {chunk})", act, estimate=True)
     speculative = spec not in ("none", "")
     snapshots = state_snapshots(conc, s["max_shared_prefixes"] != 0)
-    # static decode batches (CUDA graphs) of more than 2 sequences pad with dummy rows: one scratch slot for them
-    graphs = on_gpu and s["cuda_graphs"] != "off" and pads(conc)
+    # on a GPU decode steps run as static batches (engine/model/graphs.py, CUDA graphs or not): of more than 2
+    # sequences they may pad with dummy rows, whose state steps in one scratch slot
+    graphs = on_gpu and pads(conc)
     slots = state_slots(conc, speculative, snapshots) + graphs
     state = shape.state_bytes(bool(s["gdn_state_fp16"])) * slots
     if state:
         fmt = "fp16" if s["gdn_state_fp16"] else "fp32"
         extra = [f"{conc} draft checkpoints" if speculative else "", f"{snapshots} prefix snapshots" if snapshots
-                 else "", "1 scratch (CUDA graphs)" if graphs else ""]
+                 else "", "1 scratch (static decode batches)" if graphs else ""]
         add("state", f"recurrent state ({shape.linear_layers} linear layers, {fmt}, x{slots} slots: {conc} seq"
                      f"{''.join(', ' + e for e in extra if e)})", state)
     if include_weights:

@@ -1,4 +1,5 @@
-"""--cuda-graphs: decode steps through a static forward, captured as one CUDA graph per (batch, pages) bucket.
+"""The decode step of a CUDA device: a static forward, captured as one CUDA graph per (batch, pages) bucket with
+--cuda-graphs, called directly without (the same function either way: one decode path).
 
 A decode step (every sequence computes one token over a plain page list) runs through fixed-size device tensors:
 input ids, positions, KV slots and context lengths [B], a page table [B, P], for B a power of two (1, 2, 4, ...)
@@ -7,7 +8,7 @@ KV page that the page pool never hands out, attending to that one slot. Attentio
 (`static_paged_attention`: the paged decode kernel, Triton on CUDA, for float and quantized pages), so no shape
 depends on the data. On CUDA each
 bucket is captured once (after a warm-up on a side stream) and replayed after copying the step's inputs into its
-tensors; with `capture=False` (the CPU, tests) the same static forward is called directly.
+tensors; with `capture=False` (CUDA without graphs; the CPU tests) the same static forward is called directly.
 
 Models with recurrent layers decode the same way: each row also names its state slot (dummy rows: the state pool's
 scratch slot), and the recurrent layers step every row's state together; the state snapshots a step saves are copied
