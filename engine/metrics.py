@@ -39,6 +39,7 @@ _STAT_DEFAULTS = dict(requests=0, finished=0, aborted=0, errors=0, prefill_token
                       kv_host_pages_total=0, kv_host_pages_used=0, kv_host_pages_free=0,
                       kv_window_tokens=0, kv_retrieve_tokens=0, kv_windowed_sequences=0, kv_evictions=0,
                       kv_writethrough_pages=0, kv_retrieved_pages=0, kv_retrieved_bytes=0, kv_retrieve_seconds=0.0,
+                      kv_select_outside_mass=0.0, kv_select_outside_mass_now=0.0,
                       spec_drafted=0, spec_accepted=0, spec_steps=0, spec_acceptance=0.0, spec_mean_accepted=0.0)
 _RATE_KEYS = ("prefill_tokens", "prefill_seconds", "decode_tokens", "decode_seconds")
 
@@ -224,6 +225,12 @@ class _EngineCollector:
              "kv_retrieve_mib_per_second"),
             ("ninfer_kv_retrieved_pages_per_step", "KV pages brought from host memory per engine step (one per layer; "
              "average since start).", "kv_retrieved_pages_per_step"),
+            ("ninfer_kv_select_outside_mass", "KV retrieval unsureness: share of the Quest bound mass on pages left in "
+             "host memory by page selection (average per selection since start; near 0: selection holds what "
+             "attention could weigh).", "kv_select_outside_mass"),
+            ("ninfer_kv_select_outside_mass_now", "KV retrieval unsureness now: the largest share of Quest bound mass "
+             "left in host memory by a selection of a running windowed sequence's latest step.",
+             "kv_select_outside_mass_now"),
             ("ninfer_spec_acceptance_ratio", "Speculative decoding: drafted tokens accepted / drafted (0 when off).",
              "spec_acceptance"),
             ("ninfer_spec_mean_accepted_tokens", "Speculative decoding: drafted tokens accepted per verification step.",

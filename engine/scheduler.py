@@ -14,7 +14,12 @@ class Scheduler:
     """First come, first served. Each step decodes every running sequence (one token each) and spends up to
     `prefill_chunk` tokens on prompts. Memory is the MemoryManager's business (engine/memory/): a sequence is
     admitted when it fits (a cached prefix may count as computed), grows as it decodes, and when memory runs short
-    the most recently admitted sequence is preempted (its memory released, its tokens recomputed later)."""
+    the most recently admitted sequence is preempted (its memory released, its tokens recomputed later).
+
+    A windowed sequence (KV tiers) computes its prompt in whole chunks that start at multiples of `prefill_chunk`,
+    or nothing in a step whose remaining budget is shorter: what a windowed step computes depends on where it
+    starts, so this makes a prompt compute the same KV however the budget is shared and wherever a reused prefix
+    ends (always at a chunk boundary, engine/kv/window.py)."""
 
     def __init__(self, memory: MemoryManager, max_concurrency: int, prefill_chunk: int):
         self.memory = memory
@@ -73,9 +78,10 @@ class Scheduler:
         budget = self.prefill_chunk
         for seq in self.running:
             if budget > 0 and seq.to_compute > 1:
-                n = min(seq.to_compute, budget)
-                plan.append((seq, n))
-                budget -= n
+                n = self._prefill_tokens(seq, budget)
+                if n:
+                    plan.append((seq, n))
+                    budget -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_concurrency:
             seq = self.waiting[0]
             recompute = self._readmit.get(id(seq)) is seq
@@ -87,7 +93,15 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.to_compute, budget)
-            plan.append((seq, n))
-            budget -= n
+            n = self._prefill_tokens(seq, budget)
+            if n:
+                plan.append((seq, n))
+                budget -= n
         return plan
+
+    def _prefill_tokens(self, seq: Sequence, budget: int) -> int:
+        """Prompt tokens the sequence computes this step, out of `budget` (0: none this step)."""
+        if not seq.pages.windowed:
+            return min(seq.to_compute, budget)
+        n = min(seq.to_compute, self.prefill_chunk - seq.num_computed % self.prefill_chunk)
+        return n if n <= budget else 0

@@ -55,13 +55,24 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, block: 
     return torch.cat(scores) if scores else kmin.new_zeros(0)
 
 
-def select_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k: int) -> tuple[list[int], list[float]]:
-    """Indices (into kmin/kmax's N pages, ascending) of the k pages with the largest scores, and their scores."""
+def select_pages(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k: int, mass: bool = False):
+    """Indices (into kmin/kmax's N pages, ascending) of the k pages with the largest scores, and their scores; with
+    `mass`, also the share of the bound mass left outside them (outside_share)."""
     n = kmin.shape[0]
     if k <= 0 or n == 0:
-        return [], []
+        return ([], [], 0.0) if mass else ([], [])
     scores = page_scores(q, kmin, kmax)
-    if k >= n:
-        return list(range(n)), scores.tolist()
-    top = torch.topk(scores, k).indices.sort().values
-    return top.tolist(), scores[top].tolist()
+    top = torch.arange(n, device=scores.device) if k >= n else torch.topk(scores, k).indices.sort().values
+    chosen = (top.tolist(), scores[top].tolist())
+    return (*chosen, outside_share(scores, top, q.shape[-1])) if mass else chosen
+
+
+def outside_share(scores: torch.Tensor, chosen: torch.Tensor, head_dim: int) -> float:
+    """How unsure a selection is: the share of the candidates' bound mass outside the chosen pages. A page's
+    score bounds (up to a shift common to all pages) the logit q.k / sqrt(head_dim) attention could give its keys,
+    so exp(score / sqrt(head_dim)) bounds its share of the attention weight; 0 when the chosen pages hold all of
+    it, near 1 when attention could mostly go to pages left on the host."""
+    if chosen.numel() >= scores.numel():
+        return 0.0
+    weights = torch.softmax(scores.float() * head_dim ** -0.5, 0)
+    return float(1.0 - weights[chosen].sum())

@@ -12,11 +12,18 @@ Logical page i of a sequence holds its tokens [64 i, 64 i + 64). A windowed sequ
 Each page is written through to the host when it is full and computed, so a page leaving the window is simply
 forgotten on the GPU.
 
+What a windowed step computes depends on where the step starts (the window is counted back from the step's start,
+and Quest selection takes every query row of the step into account), so a token's KV depends on the chunk it was
+computed in. Prefill chunks of a windowed sequence therefore always start at multiples of the prefill chunk
+(engine/scheduler.py), and prefix reuse is exact: a table records how far its KV is what a cold prefill of the same
+tokens computes (``exact``: complete aligned chunks, and steps that attend to the whole context), only those pages go
+to the host prefix store, and a sequence starts from a reused prefix only at a chunk boundary (``reuse_depth``).
+
 Prefix reuse: a windowed sequence whose prompt starts with cached full pages starts from them (``preload``): pages
 cached on the GPU (engine/kv/prefix.py) are copied to its host pages (with their Quest summaries), pages in the host
 prefix store (engine/kv/hostprefix.py) are taken over as its host pages without a copy, and the sink and the pages
-the first window needs are copied to its GPU pages. When it ends, its written-through pages go to the host prefix
-store as they are. Keys carry RoPE, so for a decode step the order of pages does not matter; a step of several
+the first window needs are copied to its GPU pages. When it ends, its exact written-through pages go to the host
+prefix store as they are. Keys carry RoPE, so for a decode step the order of pages does not matter; a step of several
 tokens (a prefill chunk, a verification step) sees sink and retrieved pages whole and the window causally.
 """
 from __future__ import annotations
@@ -28,7 +35,7 @@ from engine.kv.cache import KVCache
 from engine.kv.host import HostPool
 from engine.errors import NInferError
 from engine.kv.hostprefix import HostPrefixStore, copy_to_gpu
-from engine.kv.summary import select_pages
+from engine.kv.summary import page_summary, select_pages
 from engine.memory.geometry import WindowSpec, tier_problems
 from engine.model.batch import SeqSlice
 
@@ -61,6 +68,9 @@ class TieredPages(list):
         self.lo = 0  # first logical page of this step's window (pages 1..lo-1 are on the host only)
         self.start = 0
         self.evictions = 0
+        self.exact = 0  # tokens [0, exact) hold the KV a cold prefill of the same tokens computes
+        self.selections, self.outside_mass = 0, 0.0  # Quest selections made, and their summed bound mass left out
+        self.last_outside = 0.0  # the largest share left out by a selection of the latest step
         self._candidates: torch.Tensor | None = None  # host pages of logical pages 1..lo-1, set by prepare
 
     @property
@@ -86,6 +96,7 @@ class TieredPages(list):
         if from_gpu:
             gpu.copy_pages([s for s, _ in from_gpu], [d for _, d in from_gpu])
         copy_to_gpu(self.host, gpu, [s for s, _ in from_host], [d for _, d in from_host])
+        self.exact = k * ps  # reused at a chunk boundary, from pages that were exact where they came from
         return k * ps
 
     # ---- the page-table interface (engine.kv.table.PageTable) ---------------------------------------------------
@@ -125,9 +136,30 @@ class TieredPages(list):
             if i not in self.resident:
                 self.resident[i] = self.free.pop()
         self.lo, self.start = lo, start
+        self.last_outside = 0.0
+        if start < self.exact:  # tokens computed again (rolled-back drafts): their KV is this step's
+            self.exact = start
+        if start == self.exact and self._computes_as_cold(start, n):
+            self.exact = start + n
         # the candidates' host pages, as one tensor for every layer's selection in this step
         self._candidates = torch.tensor(self.host_pages[1:lo], dtype=torch.long, device=self.host.kmin.device) \
             if lo > 1 and self.spec.retrieve_pages else None
+
+    def _computes_as_cold(self, start: int, n: int) -> bool:
+        """Whether a step over tokens [start, start + n) computes their KV as a cold prefill does: a whole chunk
+        starting at a multiple of the prefill chunk, or a step that, like the chunks a cold prefill computes these
+        tokens in, attends to the whole context (its window reaches back to the sink: no selection)."""
+        spec, ps = self.spec, self.spec.page_size
+        if start % spec.chunk == 0 and n == spec.chunk:
+            return True
+        latest = max(start, (start + n - 1) // spec.chunk * spec.chunk)  # this step's, or the cold chunk's start
+        return (latest - spec.window) // ps <= 1
+
+    @property
+    def exact_pages(self) -> int:
+        """Written-through pages whose KV a cold prefill of the same tokens computes: the ones a later sequence
+        may reuse."""
+        return min(len(self.host_pages), self.exact // self.spec.page_size)
 
     # ---- during a layer's attention ---------------------------------------------------------------------------
     def page_list(self, gpu: KVCache, layer: int, q: torch.Tensor, ctx: int) -> tuple[torch.Tensor, int, int]:
@@ -168,12 +200,15 @@ class TieredPages(list):
         if r == 0:
             return []
         host_ids = self._candidates
-        chosen, scores = select_pages(q, self.host.kmin[layer].index_select(0, host_ids),
-                                      self.host.kmax[layer].index_select(0, host_ids), r)
+        chosen, scores, outside = select_pages(q, self.host.kmin[layer].index_select(0, host_ids),
+                                               self.host.kmax[layer].index_select(0, host_ids), r, mass=True)
         chosen = [c + 1 for c in chosen]  # logical pages
+        self.selections += 1
+        self.outside_mass += outside
+        self.last_outside = max(self.last_outside, outside)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("kvmem select layer=%d pages=%s scores=[%s]", layer, chosen,
-                      ", ".join(f"{s:.3g}" for s in scores))
+            log.debug("kvmem select layer=%d pages=%s scores=[%s] outside=%.3g", layer, chosen,
+                      ", ".join(f"{s:.3g}" for s in scores), outside)
         staged = self.staged[layer]
         wanted = set(chosen)
         slots = {page: i for i, page in enumerate(staged) if page in wanted}
@@ -185,6 +220,43 @@ class TieredPages(list):
                         [self.staging[slots[p]] for p in missing])
         return [self.staging[slots[p]] for p in chosen]
 
+    # ---- checks ----------------------------------------------------------------------------------------------
+    def check(self, gpu: KVCache, computed: int) -> None:
+        """Asserts the table's invariants against a recomputation (for tests: engine/memory/attention.py runs it
+        after every admission when asked), `computed` being the sequence's computed tokens: the footprint split
+        into resident, staging and free pages; host pages distinct and held; every written-through page's Quest
+        summary equal to the one recomputed from its host keys; the sink and every page the next step's window
+        reads resident, and equal (every layer, codes and scales) to its host copy where it has one; staged pages
+        equal to their host copies; the exact prefix within the computed tokens."""
+        ps, spec = self.spec.page_size, self.spec
+        resident = list(self.resident.values())
+        assert len(set(self)) == len(self) == spec.footprint, "the footprint's GPU pages"
+        assert sorted(resident + self.staging + self.free) == sorted(self), "resident + staging + free = footprint"
+        hosted = self.all_host_pages
+        assert len(set(hosted)) == len(hosted) and all(self.host.pool.refcount(p) > 0 for p in hosted)
+        assert len(self.host_pages) <= computed // ps and self.exact <= computed
+        if self.host_pages:
+            ids = torch.tensor(self.host_pages, dtype=torch.long)
+            dev = ids.to(self.host.kmin.device)
+            for layer in range(gpu.num_layers):
+                lo, hi = page_summary(self.host.kv.gather_keys(layer, ids), ps)
+                torch.testing.assert_close(self.host.kmin[layer].index_select(0, dev).cpu(), lo.cpu(),
+                                           msg=lambda m: f"Quest minima of layer {layer}: {m}")
+                torch.testing.assert_close(self.host.kmax[layer].index_select(0, dev).cpu(), hi.cpu(),
+                                           msg=lambda m: f"Quest maxima of layer {layer}: {m}")
+        window = max(0, (computed - spec.window) // ps)
+        needed = {0, *range(window, -(-computed // ps))} if computed else set()
+        assert needed <= set(self.resident), f"window pages {sorted(needed - set(self.resident))} not resident"
+        pairs = [(self.resident[i], self.host_pages[i], None) for i in sorted(self.resident)
+                 if i < len(self.host_pages) and i in needed]
+        pairs += [(self.staging[slot], self.host_pages[page], layer) for layer, slots in enumerate(self.staged)
+                  for slot, page in enumerate(slots) if page >= 0]
+        for gpu_page, host_page, only in pairs:
+            for layer in range(gpu.num_layers) if only is None else [only]:
+                for g, h in zip(gpu.layer_tensors(layer), self.host.kv.layer_tensors(layer)):
+                    assert torch.equal(g[gpu_page].cpu(), h[host_page]), \
+                        f"GPU page {gpu_page} differs from host page {host_page} (layer {layer})"
+
 
 class Tiering:
     """What the scheduler asks of the tiers: which sequences are windowed, opening and releasing their tables."""
@@ -192,6 +264,16 @@ class Tiering:
     def __init__(self, spec: WindowSpec, host: HostPool, gpu: KVCache):
         self.spec, self.host, self.gpu = spec, host, gpu
         self.evictions = 0  # GPU pages dropped by windowed sequences that have ended
+        self.selections, self.outside_mass = 0, 0.0  # of windowed sequences that have ended
+
+    def reuse_depth(self, pages: int) -> int:
+        """Of `pages` matched prefix pages, how many a windowed sequence starts from: the most that end where a cold
+        prefill of its tokens starts a chunk (a multiple of the prefill chunk), so that every step after them
+        computes what the cold prefill's steps compute."""
+        ps, chunk = self.spec.page_size, self.spec.chunk
+        while pages and pages * ps % chunk:
+            pages -= 1
+        return pages
 
     def host_pages_for(self, tokens: int) -> int:
         return -(-tokens // self.spec.page_size)
@@ -210,6 +292,7 @@ class Tiering:
         self.host.pool.share(list(host_src))
         host = self.host.pool.allocate(self.host_pages_for(reserve_tokens) - len(host_src))
         table = TieredPages(gpu_pages, self.spec, self.host, host, {i: gpu_pages[i] for i in range(held)})
+        table.exact = computed  # a plain sequence's tokens: computed attending to the whole context, as cold
         if gpu_src or host_src:
             table.preload(self.gpu, list(gpu_src), list(host_src))
         return table
@@ -218,9 +301,11 @@ class Tiering:
         """Gives the table's host pages back; with a host prefix store, its written-through pages (those of
         `tokens`) are kept there first."""
         self.evictions += table.evictions
-        table.evictions = 0
-        if store is not None and tokens is not None:
-            store.keep(tokens, table.host_pages)
+        self.selections += table.selections
+        self.outside_mass += table.outside_mass
+        table.evictions, table.selections, table.outside_mass = 0, 0, 0.0
+        if store is not None and tokens is not None:  # only pages a cold prefill would compute alike
+            store.keep(tokens, table.host_pages[:table.exact_pages])
         self.host.pool.deallocate(table.all_host_pages)
         table.host_pages, table.host_spare = [], []
 
@@ -270,6 +355,12 @@ def tier_stats(runner, tiers: Tiering | None, scheduler) -> dict:
                kv_ring=spec.ring if spec else "off", kv_lossy=bool(spec and spec.lossy),
                kv_windowed_sequences=len(windowed),
                kv_evictions=(tiers.evictions if tiers else 0) + sum(t.evictions for t in windowed))
+    selections = (tiers.selections if tiers else 0) + sum(t.selections for t in windowed)
+    outside = (tiers.outside_mass if tiers else 0.0) + sum(t.outside_mass for t in windowed)
+    # how unsure retrieval is: the share of Quest bound mass left on the host, per selection since start, and the
+    # largest share of a running sequence's latest step
+    out.update(kv_select_outside_mass=outside / selections if selections else 0.0,
+               kv_select_outside_mass_now=max((t.last_outside for t in windowed), default=0.0))
     out.update(host.counters if host else dict(kv_writethrough_pages=0, kv_retrieved_pages=0, kv_retrieved_bytes=0,
                                                kv_retrieve_seconds=0.0))
     return out

@@ -16,7 +16,12 @@ whole length, and from then on needs no more GPU pages. A windowed sequence admi
 in the GPU prefix cache, continued in the host prefix store) starts from those pages (Tiering.open /
 TieredPages.preload); when it ends, its written-through host pages go to the host prefix store, which exists
 whenever tiers and prefix reuse are on (--kv-reuse-hostbacked also backs GPU cache evictions). Windowed sequences
-neither share GPU pages nor leave tails: their GPU pages are a ring, rewritten.
+neither share GPU pages nor leave tails: their GPU pages are a ring, rewritten. A windowed sequence reuses a prefix
+only as deep as a multiple of the prefill chunk (Tiering.reuse_depth): what a windowed step computes depends on
+where it starts, and a cold prefill starts its chunks there.
+
+`check_admissions` (tests): after every admission, the prefix cache's and the windowed table's invariants are
+asserted (PrefixCache.check, TieredPages.check).
 
 `limit` (admission): a model with recurrent layers can resume only where a state snapshot exists, so the caller
 says how many of the matched full pages are usable (engine/memory/state.py); partial copies and host-stored pages,
@@ -39,6 +44,8 @@ Limit = Callable[[list[bytes]], int]  # the chain keys of matched pages -> how m
 
 
 class AttentionMemory:
+    check_admissions = False  # tests: assert the invariants after every admission (costs a recomputation)
+
     def __init__(self, pool: PagePool, prefix: PrefixCache | None = None, tiers: Tiering | None = None,
                  host_prefix: HostPrefixStore | None = None, kv: KVCache | None = None):
         """`host_prefix`: prefix pages evicted to the host come back from it; `kv`: the pool's KV tensors, for
@@ -56,7 +63,10 @@ class AttentionMemory:
         """Gives the sequence its pages (cached prefix shared, the rest reserved); False when the pool is short.
         `recompute`: a re-admission after preemption (counted apart from new prompts)."""
         if self.tiers is not None and self.tiers.spec.windowed(len(seq.tokens) + 1):
-            return self._admit_windowed(seq, recompute, limit)
+            admitted = self._admit_windowed(seq, recompute, limit)
+            if admitted and self.check_admissions:
+                self.check(seq)
+            return admitted
         hits = self._match(seq, limit)
         shared = [e.page for e in hits]
         need = self.pool.pages_for(len(seq.tokens) + 1) - len(shared)
@@ -81,6 +91,8 @@ class AttentionMemory:
         if self.prefix is None:
             return True
         self.prefix.admitted(seq, hits)
+        if self.check_admissions:
+            self.check(seq)
         if copied:
             self.counters["prefix_partial_copies"] += 1
             self.counters["prefix_partial_tokens"] += copied
@@ -106,12 +118,7 @@ class AttentionMemory:
         if not tiers.can_open(self.pool.num_free, 0, reserve):
             return False
         gpu_pages = self.pool.allocate(tiers.spec.footprint)  # may evict cached pages: look them up after this
-        hits, stored = [], []
-        if self.prefix is not None and self.kv is not None:
-            hits = self._match(seq, limit)
-            if self.host_prefix is not None and limit is None:
-                cap = self.prefix.reusable_tokens(len(seq.tokens)) // self.pool.page_size
-                stored = self.host_prefix.match(seq.tokens, len(hits), hits[-1].key if hits else b"", cap)
+        hits, stored = self._windowed_prefix(seq, limit)
         seq.pages = tiers.open(gpu_pages, reserve, 0, [e.page for e in hits], stored)
         if stored:
             self.host_prefix.hit(stored)
@@ -124,6 +131,35 @@ class AttentionMemory:
                       seq.request_id, seq.num_computed, len(seq.tokens), len(hits), len(stored),
                       " after preemption" if recompute else "")
         return True
+
+    def _windowed_prefix(self, seq, limit: Limit | None) -> tuple[list, list[int]]:
+        """The GPU prefix-cache entries and host prefix-store pages a windowed sequence starts from: its longest
+        cached prefix, cut back to a chunk boundary of a cold prefill (Tiering.reuse_depth) and, for recurrent
+        layers, to a depth with a state snapshot."""
+        if self.prefix is None or self.kv is None:
+            return [], []
+        hits = self.prefix.match(seq.tokens)
+        stored = []
+        if self.host_prefix is not None and limit is None:
+            cap = self.prefix.reusable_tokens(len(seq.tokens)) // self.pool.page_size
+            stored = self.host_prefix.match(seq.tokens, len(hits), hits[-1].key if hits else b"", cap)
+        depth = self.tiers.reuse_depth(len(hits) + len(stored))
+        while limit is not None and depth:  # as deep as a snapshot, at a chunk boundary
+            usable = self.tiers.reuse_depth(limit([e.key for e in hits[:depth]]))
+            if usable == depth:
+                break
+            depth = usable
+        return hits[:depth], stored[:max(0, depth - len(hits))]
+
+    def check(self, seq) -> None:
+        """Asserts the invariants of the prefix cache and of the sequence's windowed table (for tests): a windowed
+        sequence starts at a chunk boundary, from a prefix that is exact."""
+        if self.prefix is not None:
+            self.prefix.check()
+        if seq.pages.windowed:
+            assert seq.num_computed % self.tiers.spec.chunk == 0, "a windowed reuse off a chunk boundary"
+            assert seq.pages.exact == seq.num_computed
+            seq.pages.check(self.tiers.gpu, seq.num_computed)
 
     def _count_hit(self, seq, recompute: bool) -> None:
         c = self.counters

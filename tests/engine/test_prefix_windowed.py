@@ -11,11 +11,18 @@ import pytest
 import torch
 
 from engine.engine import Engine
+from engine.memory.attention import AttentionMemory
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.engine.helpers import collect, our_model, tiny_hf_model, wait_idle
 
 PAGE = 64
+
+
+@pytest.fixture(autouse=True)
+def checked_admissions(monkeypatch):
+    """Every admission asserts the prefix cache's and the windowed table's invariants."""
+    monkeypatch.setattr(AttentionMemory, "check_admissions", True)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +59,9 @@ def _sends(engine: Engine, prompts: list[list[int]], n: int) -> tuple[list[list[
 @pytest.mark.parametrize("kv_dtype", ["fp32", "k8v4"])
 def test_a_windowed_prompt_sent_again_starts_from_its_stored_pages(tiny, kv_dtype):
     """Window 128, retrieval of 4 pages out of ~10 older ones (selection matters): the second send takes the first
-    one's 10 written-through pages over from the host store and computes only the rest; every output equals the same
-    engine's without reuse."""
+    one's 10 pages of whole 128-token chunks over from the host store and computes only the rest; a follow-up
+    reuses the same 10 (the answer's page was computed by decode steps, which a cold prefill does not reproduce);
+    every output equals the same engine's without reuse."""
     import torch
 
     dtype = torch.float32 if kv_dtype == "fp32" else kv_dtype
@@ -74,14 +82,15 @@ def test_a_windowed_prompt_sent_again_starts_from_its_stored_pages(tiny, kv_dtyp
         last = stats[-1]
         assert last["pages_free"] == 40 and last["kv_host_pages_free"] == 64 and last["kv_host_pages_used"] == 0
         if reuse:
-            # 700 + 11 computed tokens: 11 pages written through; a resend of 700 reuses (700 - 1) // 64 = 10 pages
+            # 700 + 11 computed tokens, 11 pages written through: the 10 of the five whole chunks are stored, and
+            # page 10 (a partial chunk, then decode steps) is not
             first, second, third = stats
-            assert first["prefix_hit_tokens"] == 0 and first["prefix_host_pages"] == 11
+            assert first["prefix_hit_tokens"] == 0 and first["prefix_host_pages"] == 10
             assert second["prefix_hit_tokens"] == 640 and second["prefix_windowed_hit_tokens"] == 640
             assert second["prefill_tokens"] - first["prefill_tokens"] == 700 - 640
-            assert second["prefix_host_hit_tokens"] == 640 and second["prefix_host_pages"] == 11
-            assert third["prefix_hit_tokens"] - second["prefix_hit_tokens"] == 11 * PAGE  # the answer's page too
-            assert third["prefix_windowed_hit_tokens"] - second["prefix_windowed_hit_tokens"] == 11 * PAGE
+            assert second["prefix_host_hit_tokens"] == 640 and second["prefix_host_pages"] == 10
+            assert third["prefix_hit_tokens"] - second["prefix_hit_tokens"] == 10 * PAGE
+            assert third["prefix_windowed_hit_tokens"] - second["prefix_windowed_hit_tokens"] == 10 * PAGE
             assert third["kv_retrieved_pages"] > 0
         else:
             assert stats[-1]["prefix_hit_tokens"] == 0 and stats[-1]["prefix_host_pages"] == 0
@@ -152,8 +161,9 @@ def test_page_counts_of_both_tiers_return_to_their_start_after_random_aborts_wit
 
 @pytest.mark.slow
 def test_a_windowed_long_prompt_sent_again_reuses_most_of_it_default_model(default_engine):
-    """SmolLM2, --kv-window 512 --kv-retrieve 512: a 1,500-token prompt sent twice reuses its 23 full pages (1,472
-    tokens, 98%) the second time, and both greedy answers equal the same engine's without prefix reuse."""
+    """SmolLM2, --kv-window 512 --kv-retrieve 512, prefill chunk 512: a 1,500-token prompt sent twice reuses its
+    two whole chunks (1,024 tokens, 68%; reuse stops at a chunk boundary) the second time, and both greedy answers
+    equal the same engine's without prefix reuse."""
     from tests.engine.test_engine import TEXT
 
     model, tok = default_engine.engine.runner.model, default_engine.tokenizer
@@ -171,5 +181,5 @@ def test_a_windowed_long_prompt_sent_again_reuses_most_of_it_default_model(defau
         second = stats[1]
         assert second["pages_free"] == 40 and second["kv_host_pages_free"] == 64
         hit = second["prefix_hit_tokens"] - stats[0]["prefix_hit_tokens"]
-        assert hit == (1472 if reuse else 0) and second["kv_retrieved_pages"] > 0
+        assert hit == (1024 if reuse else 0) and second["kv_retrieved_pages"] > 0
     assert outs[True] == outs[False] and outs[True][0] == outs[True][1]
