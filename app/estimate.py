@@ -18,9 +18,12 @@ from engine.ledger import Ledger, ModelShape, build_ledger
 MIB = 2**20
 
 # How the ledger's lines are grouped into the bars' segments, in drawing order: (segment key, label, line keys)
+# (a hybrid's recurrent state, a fixed size per sequence, is a segment of its own: its slots, and its prefix
+# snapshots in host memory)
 SEGMENTS = (("weights", "weights", ("weights",)), ("draft", "draft", ("draft", "draft_kv")),
             ("kv", "KV", ("kv",)), ("host_kv", "host KV", ("host_kv",)),
-            ("other", "workspace", ("activations", "state", "runtime")), ("headroom", "headroom", ("headroom",)))
+            ("state", "recurrent state", ("state", "state_snapshots")),
+            ("other", "workspace", ("activations", "runtime")), ("headroom", "headroom", ("headroom",)))
 
 
 @dataclass
@@ -145,6 +148,11 @@ class MemoryEstimate:
         return self._line("host_kv")
 
     @property
+    def state(self) -> int:
+        """A hybrid model's recurrent-state slots (0 for attention-only models)."""
+        return self._line("state")
+
+    @property
     def headroom(self) -> int:
         return self._line("headroom")
 
@@ -185,8 +193,8 @@ class MemoryEstimate:
         return not any(level == "error" for level, _, _ in self.problems)
 
     def bars(self) -> list[Bar]:
-        """One bar per device: VRAM (weights / draft / KV GPU / workspace / headroom) and RAM (host KV, runtime; or
-        everything when there is no GPU)."""
+        """One bar per device: VRAM (weights / draft / KV GPU / state / workspace / headroom) and RAM (host KV,
+        state snapshots, runtime; or everything when there is no GPU)."""
         out = []
         for device, budget in self.ledger.budgets.items():
             lines = self.ledger.device_lines(device)
@@ -195,6 +203,8 @@ class MemoryEstimate:
                 size = sum(line.bytes for line in lines if line.key in keys)
                 if key == "kv" and device == "gpu":
                     label = "KV GPU"
+                if key == "state" and device == "host" and "gpu" in self.ledger.budgets:
+                    label = "state snapshots"
                 if key == "other" and any(line.key == "runtime" for line in lines):
                     label = "runtime + workspace"
                 if size:
@@ -225,7 +235,8 @@ def estimate(info: ModelInfo, settings: Any, report: Any) -> MemoryEstimate:
     vram_free = (gpu.vram_free_mib if gpu.vram_free_mib is not None else gpu.vram_total_mib) if gpu else 0
     ram_total, ram_free = report.ram_total_mib, report.ram_available_mib
     try:
-        ledger = build_ledger(info.shape, settings, vram_mib=int(vram_free), ram_mib=int(ram_free))
+        shape = info.shape.on_device(gpu is not None, settings.weight_dtype)  # a hybrid's conv window dtype
+        ledger = build_ledger(shape, settings, vram_mib=int(vram_free), ram_mib=int(ram_free))
     except NInferError as e:  # e.g. a draft model that cannot be read
         raise ValueError(f"{e.problem} {e.remedy}".strip()) from None
     capacity = {"host": int(ram_total) * MIB}

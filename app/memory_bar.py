@@ -1,6 +1,7 @@
-"""The launcher's memory ledger as stacked bars: weights / draft / KV GPU / workspace / headroom against VRAM, and
-host KV (with the runtime) against RAM; without a GPU one RAM bar holds everything. Each bar starts with what other
-programs already use, so its end is the device's total memory; a red end and outline mean the plan does not fit."""
+"""The launcher's memory ledger as stacked bars: weights / draft / KV GPU / recurrent state (hybrids) / workspace /
+headroom against VRAM, and host KV (with the runtime) against RAM; without a GPU one RAM bar holds everything. Each
+bar starts with what other programs already use, so its end is the device's total memory; a red end and outline mean
+the plan does not fit."""
 from __future__ import annotations
 
 import html
@@ -14,7 +15,7 @@ from app import theme
 from app.estimate import MIB, Bar, MemoryEstimate
 
 SEGMENT_COLORS = {"others": "disabled_bg", "weights": "series1", "draft": "series4", "kv": "series2",
-                  "host_kv": "series5", "other": "series6", "headroom": "series3"}
+                  "host_kv": "series5", "state": "info", "other": "series6", "headroom": "series3"}
 
 
 def segment_color(key: str) -> str:

@@ -30,8 +30,9 @@ def read_config(folder: Path) -> ModelConfig:
     moe = next((a for a in archs if "Moe" in a), None)
     if arch is None and moe:
         raise ModelLoadError(f"{folder.name}: {moe} is a mixture-of-experts model; this engine does not run MoE "
-                             f"layers yet.", f"Use a dense model of the family (supported: {', '.join(sorted(HF_ARCHS))}"
-                                             f"; e.g. Qwen3.5-27B is Qwen3_5ForConditionalGeneration).")
+                             f"layers yet.", f"Use a dense model of the family (supported: "
+                                             f"{', '.join(sorted(HF_ARCHS))}; e.g. Qwen3.5-27B is "
+                                             f"Qwen3_5ForConditionalGeneration).")
     if arch is None:
         raise ModelLoadError(f"{folder.name}: architecture {archs or raw.get('model_type')} is not supported.",
                              f"Supported: {', '.join(sorted(HF_ARCHS))}.")

@@ -117,14 +117,16 @@ def test_doctor_ledger_shows_the_state_line_and_kv_of_the_attention_layers(folde
     assert doctor.main(argv) == 0
     out = capsys.readouterr().out
     assert "8 layers: 2 full attention (2 KV heads x 32), 6 linear attention" in out
-    slots = state_slots(2, False, state_snapshots(2, True))  # prefix reuse on by default: a snapshot a sequence
-    assert f"recurrent state (6 linear layers, fp32, x{slots} slots: 2 seq, 2 prefix snapshots)" in out
+    slots, snapshots = state_slots(2), state_snapshots(2, True)  # prefix reuse is on by default
+    assert "recurrent state (6 linear layers, fp32, x2 slots: 2 seq)" in out and slots == 2
+    assert f"recurrent-state prefix snapshots (up to {snapshots}, host memory)" in out
     assert f"KV fp32: {2 * 2 * 2 * 32 * 4:,} B a token" in out  # 2 attention layers x K and V x 2 heads x 32 x 4 B
     assert doctor.main(argv + ["--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    [state] = [line for line in data["devices"]["host"]["lines"] if line["key"] == "state"]
+    lines = {line["key"]: line for line in data["devices"]["host"]["lines"]}
     conv = 3 * (2 * 2 * 16 + 4 * 16) * 4  # fp32 activations on the CPU
-    assert state["bytes"] == slots * 6 * (4 * 16 * 16 * 4 + conv)
+    assert lines["state"]["bytes"] == slots * 6 * (4 * 16 * 16 * 4 + conv)
+    assert lines["state_snapshots"]["bytes"] == snapshots * 6 * (4 * 16 * 16 * 4 + conv)
     assert data["shape"]["mtp_layers"] == 1
 
 
@@ -182,13 +184,16 @@ def plan(shape: ModelShape, settings: dict, *, ram_mib: int):
 
 
 def check_allocation_rules(led, shape: ModelShape, s: dict) -> None:
-    """The state line: geometry.state_slots slots (the sequences, a draft checkpoint each with speculation, the
-    prefix snapshots; a scratch slot when CUDA graphs may pad) of the per-sequence state above; the KV line: its
-    pages of 16 attention layers x 4 KV heads x 256 in the preset's KV layout."""
+    """The state line: geometry.state_slots slots on the GPU (the sequences, and a draft checkpoint each with
+    speculation; a scratch slot when static decode batches may pad) of the per-sequence state above, and
+    geometry.state_snapshots prefix snapshots in host memory; the KV line: its pages of 16 attention layers x 4 KV
+    heads x 256 in the preset's KV layout."""
     conc = s["max_concurrency"]
-    slots = state_slots(conc, s["spec"] != "none", state_snapshots(conc, s["max_shared_prefixes"] != 0)) + pads(conc)
+    slots = state_slots(conc, s["spec"] != "none") + pads(conc)
     per_seq = (SSM_FP16 if s.get("gdn_state_fp16") else SSM_FP32) + CONV_VALUES * 2
-    assert led.line("state").bytes == slots * per_seq
+    assert led.line("state").bytes == slots * per_seq and led.line("state").device == "gpu"
+    snapshots = led.line("state_snapshots")
+    assert (snapshots.bytes if snapshots else 0) == state_snapshots(conc, s["max_shared_prefixes"] != 0) * per_seq
     assert led.page_bytes == PAGE_SIZE * 16 * 4 * KV_LAYOUTS[s["kv_dtype"]].bytes_per_head(256)
     assert led.line("kv").bytes == led.gpu_pages * led.page_bytes
 
