@@ -65,11 +65,11 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_
 
 
 def recurrent_launch_params(dk: int, dv: int) -> tuple[int, int, int]:
-    """(BLOCK_K, BLOCK_V, num_warps) on a GPU: a [128, 32] float32 state slice is 32 registers a thread at 4 warps,
-    and B x HV x Dv/32 programs (192 for one sequence of Qwen3.5's 48 heads) keep the SMs busy at batch 1."""
+    """(BLOCK_K, BLOCK_V, num_warps) on a GPU: a [128, 16] float32 state slice, 112 registers a thread at 4 warps
+    (160 with an fp16 pool and step slots) at sm_80, and B x HV x Dv/16 programs (384 for one sequence of Qwen3.5's
+    48 heads) to spread a single sequence over the SMs."""
     block_k = max(16, triton.next_power_of_2(dk))
-    block_v = min(32, max(16, triton.next_power_of_2(dv)))
-    return block_k, block_v, 4 if block_k <= 128 else 8
+    return block_k, 16, 4 if block_k <= 128 else 8
 
 
 def _check_float_rows(name: str, x: torch.Tensor, ndim: int):

@@ -6,7 +6,8 @@ dims that are not powers of two, q/k/v as strided views of one fused projection 
 non-contiguous slots ([3, 0]) with every slot the call must not touch left bit-identical; decode (T = 1) and draft
 tokens (T = 3, step slots including -1, each step slot holding the state after its token); prefill of 1, 37, 64
 and 150 tokens (inside one chunk, exactly one chunk, a ragged last chunk) from a non-zero state, including a token
-with a decay so strong that exp underflows; the causal conv update for kernel widths 4 and 2.
+with a decay so strong that exp underflows, and in segments of 1 and 2 chunks; the causal conv update for kernel
+widths 4 and 2.
 
 Tolerances: kernel vs twin, both float32 with a different summation order (the chunked kernel also inverts the
 unit-triangular matrix by forward substitution where the twin calls solve_triangular): tolerances.py's float32.
@@ -39,6 +40,7 @@ if os.environ.get("NINFER_TEST_DEVICE", "cpu") == "cpu":
     else:
         os.environ["TRITON_INTERPRET"] = _saved
 
+from kernels import gated_delta_chunk  # noqa: E402
 from kernels.gated_delta import causal_conv_update, gdn_recurrent  # noqa: E402
 from kernels.gated_delta_chunk import gdn_chunked  # noqa: E402
 
@@ -143,6 +145,22 @@ def test_chunked(T, state_dtype):
     assert_state(twin_pool[2], after[-1].to(state_dtype), "final state twin vs oracle")
     for slot in (0, 1, 3):
         assert torch.equal(kern_pool[slot], pool[slot]) and torch.equal(twin_pool[slot], pool[slot]), slot
+
+
+@pytest.mark.parametrize("segment", [1, 2])
+def test_chunked_in_segments(segment, monkeypatch):
+    """A prompt longer than SEGMENT_CHUNKS chunks: the state crosses segments in float32, the fp16 slot is read once
+    and stored once."""
+    monkeypatch.setattr(gated_delta_chunk, "SEGMENT_CHUNKS", segment)
+    HK, HV, DK, DV, T = 1, 2, 32, 16, 150
+    q, k, v = fused_qkv((T,), HK, HV, DK, DV)
+    g, beta = gates((T,), HV)
+    pool = torch.randn(3, HV, DK, DV).half()
+    kern_pool, twin_pool = pool.clone(), pool.clone()
+    o_kernel = gdn_chunked(q, k, v, g, beta, kern_pool, 0)
+    assert_close(o_kernel, reference.gdn_chunked_ref(q, k, v, g, beta, twin_pool, 0), what="o")
+    assert_state(kern_pool, twin_pool, "state")
+    assert torch.equal(kern_pool[1:], pool[1:])
 
 
 def test_chunked_odd_head_dims():
