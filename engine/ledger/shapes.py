@@ -278,8 +278,8 @@ def _folder_shape(folder: Path) -> ModelShape:
                              "Pass a GGUF file or a Hugging Face model folder (config.json + *.safetensors).") from None
     from engine.model.config import HF_ARCHS
 
-    if any(a in HF_ARCHS for a in raw.get("architectures") or []):
-        from engine.model.hf_folder import read_config
+    if any(a in HF_ARCHS or "Moe" in a for a in raw.get("architectures") or []):
+        from engine.model.hf_folder import read_config  # the engine's reader: MoE models refused as it refuses them
 
         # MTP layers: those the weights hold; without weights (a config.json alone), what the config says
         text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw

@@ -109,6 +109,15 @@ def test_a_moe_gguf_is_refused_by_the_ledger_as_by_the_engine(checkpoint, tmp_pa
     assert "mixture-of-experts" in e.value.problem and "qwen35" in e.value.remedy
 
 
+def test_a_moe_folder_is_refused_by_the_ledger_as_by_the_engine(folders, tmp_path):
+    raw = json.loads((folders["published"] / "config.json").read_text())
+    raw["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError) as e:
+        ModelShape.from_path(tmp_path)
+    assert "Qwen3_5MoeForConditionalGeneration is a mixture-of-experts model" in e.value.problem
+
+
 @pytest.mark.parametrize("which", ["published", "gguf"])
 def test_doctor_ledger_shows_the_state_line_and_kv_of_the_attention_layers(folders, gguf, capsys, which):
     path = folders["published"] if which == "published" else gguf
