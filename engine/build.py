@@ -143,7 +143,7 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     snapshots = state_snapshots(c.max_concurrency, c.max_shared_prefixes != 0)  # recurrent layers' state (the ledger's)
     runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not c.host_pageable,
                          prefill_cublas=c.prefill_cublas, cuda_graphs=c.cuda_graphs,
-                         state_slots=state_slots(c.max_concurrency, c.speculative, snapshots),
+                         state_slots=state_slots(c.max_concurrency, c.speculative),
                          max_batch=c.max_concurrency)
     if c.prefill_cublas:
         log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s", PREFILL_DENSE_ROWS,

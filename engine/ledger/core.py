@@ -232,14 +232,16 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     # on a GPU decode steps run as static batches (engine/model/graphs.py, CUDA graphs or not): of more than 2
     # sequences they may pad with dummy rows, whose state steps in one scratch slot
     graphs = on_gpu and pads(conc)
-    slots = state_slots(conc, speculative, snapshots) + graphs
-    state = shape.state_bytes(bool(s["gdn_state_fp16"])) * slots
-    if state:
+    slots = state_slots(conc, speculative) + graphs
+    one_state = shape.state_bytes(bool(s["gdn_state_fp16"]))
+    if one_state:
         fmt = "fp16" if s["gdn_state_fp16"] else "fp32"
-        extra = [f"{conc} draft checkpoints" if speculative else "", f"{snapshots} prefix snapshots" if snapshots
-                 else "", "1 scratch (static decode batches)" if graphs else ""]
+        extra = [f"{conc} draft checkpoints" if speculative else "", "1 scratch (static decode batches)" if graphs
+                 else ""]
         add("state", f"recurrent state ({shape.linear_layers} linear layers, {fmt}, x{slots} slots: {conc} seq"
-                     f"{''.join(', ' + e for e in extra if e)})", state)
+                     f"{''.join(', ' + e for e in extra if e)})", one_state * slots)
+        add("state_snapshots", f"recurrent-state prefix snapshots (up to {snapshots}, host memory)",
+            one_state * snapshots, device="host")
     if include_weights:
         add("runtime", "host runtime (Python, PyTorch, server)", HOST_RUNTIME_MIB["gpu" if on_gpu else "cpu"] * MIB,
             device="host", estimate=True)

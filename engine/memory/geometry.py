@@ -188,11 +188,11 @@ def tier_problems(v: Mapping[str, Any]) -> list[TierProblem]:
     return out
 
 
-def state_slots(max_concurrency: int, speculative: bool = False, snapshots: int = 0) -> int:
-    """Recurrent-state slots a model with recurrent layers gets (engine/memory/state.py): one per running sequence,
-    one more per sequence when speculating (the checkpoint a rejected draft rolls back to), and the prefix
-    snapshots."""
-    return max_concurrency * (2 if speculative else 1) + snapshots
+def state_slots(max_concurrency: int, speculative: bool = False) -> int:
+    """Recurrent-state slots a model with recurrent layers gets on its device (engine/memory/state.py): one per
+    running sequence, and one more per sequence when speculating (the checkpoint a rejected draft rolls back to).
+    Prefix snapshots live in host memory (`state_snapshots` of them)."""
+    return max_concurrency * (2 if speculative else 1)
 
 
 def pads(max_batch: int) -> bool:

@@ -13,8 +13,9 @@ forward. So:
   one. Admission may reuse cached KV pages only as deep as the deepest snapshot among them; the snapshot is copied
   into the new sequence's slot. A cached prefix without a snapshot is recomputed, and counted
   (state_snapshot_misses) and logged, never silently used;
-- snapshots are kept in slots of the same pool, at most `max_snapshots`, least recently used evicted first; idle
-  snapshots give way to running sequences (they count as free for admission)."""
+- snapshots live in host memory (page-locked on CUDA), outside the pool: at most `max_snapshots` of them, least
+  recently used evicted first, their buffers reused. The model writes a snapshot straight into its buffer at the
+  page boundary inside a step, so the device holds only the running sequences' slots and their checkpoints."""
 from __future__ import annotations
 
 import heapq
@@ -30,6 +31,8 @@ from engine.memory.specs import RecurrentSpec
 log = logging.getLogger("ninfer.state")
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+Snapshot = list  # one state outside the pool: per recurrent layer, {tensor name: tensor of one slot's shape}
 
 
 class StatePool:
@@ -69,6 +72,22 @@ class StatePool:
             for t in tensors.values():
                 t[dst].copy_(t[src])
 
+    def host_buffer(self) -> Snapshot:
+        """Room for one state in host memory (page-locked where the pool is on CUDA, for fast copies)."""
+        pin = torch.device(self.device).type == "cuda"
+        return [{name: torch.empty(t.shape[1:], dtype=t.dtype, pin_memory=pin) for name, t in tensors.items()}
+                for tensors in self.layers]
+
+    def store(self, slot: int, snap: Snapshot) -> None:
+        for tensors, dst in zip(self.layers, snap):
+            for name, t in tensors.items():
+                dst[name].copy_(t[slot])
+
+    def load(self, snap: Snapshot, slot: int) -> None:
+        for tensors, src in zip(self.layers, snap):
+            for name, t in tensors.items():
+                t[slot].copy_(src[name])
+
     def read(self, slots: list[int]) -> list[dict[str, torch.Tensor]]:
         """Copies of these slots' states (every layer), for `write` to put back."""
         index = torch.tensor(slots, device=self.device)
@@ -86,28 +105,26 @@ class SeqState:
     slot: int
     checkpoint: int | None = None  # a spare slot for speculation: the state before a verification step
     verify: tuple[int, int] | None = None  # this step verifies drafts: (its start, tokens computed)
-    saves: list[tuple[int, int]] = field(default_factory=list)  # this step: save the state after token i to slot
-    snaps: list[tuple[int, bytes, int]] = field(default_factory=list)  # this step: (position, key, slot)
+    saves: list[tuple[int, Snapshot]] = field(default_factory=list)  # this step: the state after token i, saved
+    snaps: list[tuple[int, bytes, Snapshot]] = field(default_factory=list)  # this step: (position, key, buffer)
     snapshot: bytes | None = None  # the key of the deepest snapshot this sequence left
 
 
 class StateMemory:
     def __init__(self, pool: StatePool, page_size: int, max_snapshots: int = 0):
         self.pool, self.page_size, self.max_snapshots = pool, page_size, max_snapshots
-        self._snapshots: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
-        self._pending = 0  # snapshot slots taken for the step running now, stored or freed after it
+        self._snapshots: OrderedDict[bytes, Snapshot] = OrderedDict()  # key -> buffer, least recently used first
+        self._spare: list[Snapshot] = []  # buffers of evicted or unused snapshots, reused before allocating
+        self._pending = 0  # snapshot buffers taken for the step running now, stored or spared after it
         self.counters = dict(state_snapshot_hits=0, state_snapshot_misses=0, state_snapshots_taken=0,
                              state_rollbacks=0)
 
     # ---- slots ------------------------------------------------------------------------------------------------
     @property
     def num_free(self) -> int:
-        """Slots a sequence can have now: free ones plus idle snapshots (which it would evict)."""
-        return self.pool.num_free + len(self._snapshots)
+        return self.pool.num_free
 
     def _take(self) -> int | None:
-        if not self.pool.num_free and self._snapshots:
-            self.pool.free([self._snapshots.popitem(last=False)[1]])
         return self.pool.allocate() if self.pool.num_free else None
 
     def can_admit(self) -> bool:
@@ -129,18 +146,11 @@ class StateMemory:
         key = self._key(seq, seq.num_computed // self.page_size) if seq.num_computed else None
         if key is not None and key not in self._snapshots:
             raise RuntimeError(f"{seq.request_id}: no state snapshot at {seq.num_computed} tokens")
-        if key is None:
-            seq.memory.state = SeqState(self._take())
-            return
-        source = self._snapshots.pop(key)
-        slot = self._take()
-        if slot is None:  # the last slot is the snapshot itself: the sequence takes it over
-            slot, source = source, None
-        else:
-            self.pool.copy(source, slot)
-            self._snapshots[key] = source  # the most recently used now
-        seq.memory.state = SeqState(slot)
-        self.counters["state_snapshot_hits"] += 1
+        seq.memory.state = SeqState(self._take())
+        if key is not None:
+            self._snapshots.move_to_end(key)  # the most recently used now
+            self.pool.load(self._snapshots[key], seq.memory.state.slot)
+            self.counters["state_snapshot_hits"] += 1
 
     def _key(self, seq, pages: int) -> bytes:
         """The chain key of the sequence's first `pages` pages (computed once per page)."""
@@ -176,35 +186,36 @@ class StateMemory:
         if key in self._snapshots:
             self._snapshots.move_to_end(key)
             return
-        slot = self._snapshot_slot()
-        if slot is not None:
-            st.saves.append((pos - start - 1, slot))
-            st.snaps.append((pos, key, slot))
+        snap = self._snapshot_buffer()
+        if snap is not None:
+            st.saves.append((pos - start - 1, snap))
+            st.snaps.append((pos, key, snap))
 
-    def _snapshot_slot(self) -> int | None:
-        """A slot for a new snapshot within the budget: a free one, or the least recently used snapshot's."""
+    def _snapshot_buffer(self) -> Snapshot | None:
+        """A buffer for a new snapshot within the budget: a spare one, a new one, or the least recently used
+        snapshot's."""
         if len(self._snapshots) + self._pending >= self.max_snapshots:
             if not self._snapshots:
                 return None
-            slot = self._snapshots.popitem(last=False)[1]
+            snap = self._snapshots.popitem(last=False)[1]
         else:
-            slot = self.pool.allocate() if self.pool.num_free else None
-        self._pending += slot is not None
-        return slot
+            snap = self._spare.pop() if self._spare else self.pool.host_buffer()
+        self._pending += 1
+        return snap
 
     def computed(self, seq) -> None:
         """After the step: a snapshot of a position the sequence kept is stored, replacing the sequence's shallower
-        one (a later request reuses the deepest prefix it shares); others' slots are freed."""
+        one (a later request reuses the deepest prefix it shares); the others' buffers are spared."""
         st = seq.memory.state
         self._pending -= len(st.snaps)
-        for pos, key, slot in st.snaps:
+        for pos, key, snap in st.snaps:
             if pos <= seq.num_computed and key not in self._snapshots:
                 if st.snapshot in self._snapshots:
-                    self.pool.free([self._snapshots.pop(st.snapshot)])
-                self._snapshots[key], st.snapshot = slot, key
+                    self._spare.append(self._snapshots.pop(st.snapshot))
+                self._snapshots[key], st.snapshot = snap, key
                 self.counters["state_snapshots_taken"] += 1
             else:
-                self.pool.free([slot])
+                self._spare.append(snap)
         st.snaps, st.saves = [], []
 
     def rollback(self, seq) -> None:
@@ -225,10 +236,12 @@ class StateMemory:
         if st is None:
             return
         self._pending -= len(st.snaps)
-        self.pool.free([st.slot, *([st.checkpoint] if st.checkpoint is not None else []),
-                        *(slot for _, _, slot in st.snaps)])
+        self._spare.extend(snap for _, _, snap in st.snaps)
+        self.pool.free([st.slot, *([st.checkpoint] if st.checkpoint is not None else [])])
         seq.memory.state = None
 
     def stats(self) -> dict:
         return dict(self.counters, state_slots_total=self.pool.num_slots, state_slots_free=self.num_free,
-                    state_snapshots=len(self._snapshots), state_slot_bytes=self.pool.slot_bytes)
+                    state_snapshots=len(self._snapshots),
+                    state_snapshot_host_bytes=(len(self._snapshots) + self._pending + len(self._spare))
+                    * self.pool.slot_bytes, state_slot_bytes=self.pool.slot_bytes)

@@ -15,7 +15,7 @@ class SeqSlice:
     tiers: "object | None" = None  # engine.kv.window.TieredPages of a windowed sequence, prepared for this step
     first_page: int | None = None  # set when `pages` are consecutive ids: the CPU path reads them as a view, no copy
     state: int | None = None  # its recurrent-state slot (engine/memory/state.py), for models with recurrent layers
-    saves: tuple[tuple[int, int], ...] = ()  # (i, slot): after its token i of this step, copy the state to slot
+    saves: tuple = ()  # (i, snapshot): after its token i of this step, save the state (engine/memory/state.py)
     _memo: dict = field(default_factory=dict, repr=False, compare=False)  # per-step tensors every layer reuses
 
     def causal_mask(self, device) -> torch.Tensor:

@@ -64,14 +64,14 @@ class GDNLayer:
         if batch.decode is not None:  # a static decode step: one token per row, slots from the table
             mixed = self._decode(qkv, g, beta, state, batch.decode.state_slots)
         else:
-            mixed = self._eager(qkv, g, beta, state, batch)
+            mixed = self._eager(qkv, g, beta, state, batch, ordinal)
         o = rms_norm(mixed.view(-1, n.num_v_heads, n.head_v_dim), self.norm, cfg.rms_eps)
         o = (o * F.silu(z.float().view_as(o))).reshape(-1, n.value_dim).to(x.dtype)
         residual = residual + self.out(o)
         h = rms_norm(residual, self.post_norm, cfg.rms_eps)
         return self.down(silu_and_mul(self.gate_up(h))), residual
 
-    def _eager(self, qkv, g, beta, state, batch: ForwardBatch) -> torch.Tensor:
+    def _eager(self, qkv, g, beta, state, batch: ForwardBatch, ordinal: int) -> torch.Tensor:
         """The sequences decoding one token step together (batched over their slots); longer ones one at a time."""
         ones, rows, slots = batch.single_token_rows()
         if len(ones) == len(batch.seqs):
@@ -83,11 +83,12 @@ class GDNLayer:
             for s in batch.seqs:
                 if s.q_len > 1:
                     span = slice(s.q_start, s.q_start + s.q_len)
-                    mixed[span] = self._sequence(qkv[span], g[span], beta[span], state, s.state, s.saves)
+                    mixed[span] = self._sequence(qkv[span], g[span], beta[span], state, s.state,
+                                                 [(i, snap[ordinal]) for i, snap in s.saves])
         for s in ones:
-            for _, dst in s.saves:  # the state after its one token
-                for t in state.values():
-                    t[dst].copy_(t[s.state])
+            for _, snap in s.saves:  # the state after its one token
+                for name, t in state.items():
+                    snap[ordinal][name].copy_(t[s.state])
         return mixed
 
     def _decode(self, qkv, g, beta, state, slots: torch.Tensor) -> torch.Tensor:
@@ -102,7 +103,7 @@ class GDNLayer:
 
     def _sequence(self, qkv, g, beta, state, slot: int, saves) -> torch.Tensor:
         """One sequence's tokens from its slot's state (written back), saving the state after the tokens `saves`
-        names (i, slot) into those slots; [T, HV * Dv] float32."""
+        names (i, this layer's part of a snapshot: {"conv", "ssm"}); [T, HV * Dv] float32."""
         conv_state, ssm = state["conv"][slot], state["ssm"][slot].float()
         outs, start = [], 0
         for end in sorted({i + 1 for i, _ in saves} | {qkv.shape[0]}):
@@ -111,10 +112,10 @@ class GDNLayer:
             rule = delta_rule.recurrent if end - start == 1 else delta_rule.chunked
             o, ssm = rule(q, k, v, g[start:end], beta[start:end], ssm)
             outs.append(o)
-            for i, dst in saves:
+            for i, snap in saves:
                 if i + 1 == end:
-                    state["conv"][dst].copy_(conv_state)
-                    state["ssm"][dst].copy_(ssm)
+                    snap["conv"].copy_(conv_state)
+                    snap["ssm"].copy_(ssm)
             start = end
         state["conv"][slot].copy_(conv_state)
         state["ssm"][slot].copy_(ssm)

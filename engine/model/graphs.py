@@ -227,6 +227,6 @@ class DecodeGraphs:
         e.runs += 1
         self.steps += 1
         for w in works:  # state snapshots this step saves: the state after its one token
-            for _, dst in w.state.saves if w.state is not None else ():
-                self.state.copy(w.state.slot, dst)
+            for _, snap in w.state.saves if w.state is not None else ():
+                self.state.store(w.state.slot, snap)
         return [e.out[i:i + 1].clone() for i in range(len(works))]

@@ -49,10 +49,10 @@ class RecurrentLayer:
                 total = self.decay * total + u[row]
                 out[row] = total + self.mix[0] * window[0] + self.mix[1] * window[1]
                 window = torch.stack((h[row], window[0]))
-                for j, slot in s.saves:
+                for j, snap in s.saves:
                     if j == i:
-                        state["sum"][slot].copy_(total)
-                        state["window"][slot].copy_(window)
+                        snap[ordinal]["sum"].copy_(total)
+                        snap[ordinal]["window"].copy_(window)
             state["sum"][s.state].copy_(total)
             state["window"][s.state].copy_(window)
         residual = residual + self.w_out(out)

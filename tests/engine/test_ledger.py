@@ -157,13 +157,14 @@ def _seed2(shape, **kw):
 
 def test_ternary_rk4v4_on_12_gib_room_for_pages(qwen):
     """6.70 GiB ternary weights + rk4v4 KV on 12 GiB with 1024 MiB headroom (defaults otherwise: prefill chunk
-    512, fp32 state, prefix reuse on): 12288 - 6861 - 1024 - 81 (activations) - 294 (state: the sequence's and one
-    prefix snapshot, engine.memory.geometry.state_slots) = 4028 MiB = 3581 pages of 1.125 MiB (229,184 tokens); auto
-    caps the pool at max_context x 1 = 2048 pages, so 128K stays wholly on the GPU."""
+    512, fp32 state, prefix reuse on): 12288 - 6861 - 1024 - 81 (activations) - 147 (the sequence's state,
+    engine.memory.geometry.state_slots; its prefix snapshot is in host memory) = 4175 MiB = 3711 pages of 1.125 MiB
+    (237,504 tokens); auto caps the pool at max_context x 1 = 2048 pages, so 128K stays wholly on the GPU."""
     led = build_ledger(qwen, dict(weight_dtype="ternary", kv_dtype="rk4v4", max_context=131072, max_concurrency=1),
                        vram_mib=12288, ram_mib=15360)
-    assert led.kv_pages_fit == pytest.approx(3581, abs=40)
-    assert led.line("state").bytes == 2 * qwen.state_bytes()
+    assert led.kv_pages_fit == pytest.approx(3711, abs=40)
+    assert led.line("state").bytes == qwen.state_bytes()
+    assert led.line("state_snapshots").bytes == qwen.state_bytes() and led.line("state_snapshots").device == "host"
     assert led.gpu_pages == led.kv_pages_wanted == 2048
     assert led.kv_capacity_tokens == 131072 and led.reach_tokens == 131072
     assert led.fits and led.spare("gpu") > 0
@@ -231,12 +232,12 @@ def _seed1(qwen, spec):
 
 def test_seed1_dflash2_does_not_fit_on_12_gb(qwen):
     """Seed 1: "dflash2: 8.87 GiB weights + ~2 GB draft weights + runtime = 12.4 GiB: OOM". The ledger's sum is
-    12.47 GiB (0.6% from the seed) with one fp32 state, as the seed's engine held; this engine holds two more (a
-    draft checkpoint for speculative rollback and a prefix snapshot, engine.memory.geometry.state_slots): 12.75
-    GiB > 12 GiB, refused naming the draft line; without the drafter the rest fits."""
+    12.47 GiB (0.6% from the seed) with one fp32 state, as the seed's engine held; this engine holds one more on the
+    GPU (a draft checkpoint for speculative rollback, engine.memory.geometry.state_slots; the prefix snapshot is in
+    host memory): 12.61 GiB > 12 GiB, refused naming the draft line; without the drafter the rest fits."""
     led = _seed1(qwen, "dflash2")
-    extra = 2 * qwen.state_bytes()
-    assert led.line("state").bytes == 3 * qwen.state_bytes()
+    extra = qwen.state_bytes()
+    assert led.line("state").bytes == 2 * qwen.state_bytes()
     assert (led.total("gpu") - extra) / GIB == pytest.approx(12.4, rel=0.02)
     assert not led.fits
     [problem] = led.check()
@@ -247,12 +248,12 @@ def test_seed1_dflash2_does_not_fit_on_12_gb(qwen):
 def test_seed1_mtp_fits_with_about_2_25_gib_free(qwen):
     """Seed 1: "mtp: measured free ~2.25 GiB, the starting choice". The MTP head (one layer at the weights' bytes
     per parameter, 0.13 GiB, plus its KV) fits; free VRAM (budget - allocated, the headroom being unallocated)
-    is 2.24 GiB with one fp32 state, as the seed's engine held; this engine holds two more (a draft checkpoint and a
-    prefix snapshot, 0.29 GiB): 1.95 GiB free. The seed reached 262,144 tokens through its implicit ring mode; here a 17,920-token pool without
+    is 2.24 GiB with one fp32 state, as the seed's engine held; this engine holds one more (a draft checkpoint,
+    0.14 GiB; the prefix snapshot is in host memory): 2.10 GiB free. The seed reached 262,144 tokens through its implicit ring mode; here a 17,920-token pool without
     --kv-window holds 17,920 tokens, and the one problem says so, naming ring mode."""
     led = _seed1(qwen, "mtp")
     assert led.spare("gpu") > 0 and led.total("host") < led.budgets["host"]
-    assert (led.free("gpu") + 2 * qwen.state_bytes()) / GIB == pytest.approx(2.25, abs=0.1)
+    assert (led.free("gpu") + qwen.state_bytes()) / GIB == pytest.approx(2.25, abs=0.1)
     assert led.line("draft").bytes < 0.2 * GIB and led.line("draft_kv").bytes > 0
     [problem] = led.check()
     assert problem.line == "kv" and "262,144" in problem.message and "17,920" in problem.message
@@ -308,7 +309,8 @@ def test_host_kv_beyond_ram_names_the_host_line(qwen):
                        vram_mib=12288, ram_mib=15360)
     errors = [p for p in led.check() if p.level == "error"]
     assert errors[0].line == "host_kv" and "> 15.00 GiB RAM" in errors[0].message
-    assert f"at most {15360 - 1536:,}" in errors[0].remedy
+    snapshot_mib = led.line("state_snapshots").bytes / MIB  # the prefix snapshot lives in host memory too
+    assert f"at most {int(15360 - 1536 - snapshot_mib):,}" in errors[0].remedy
 
 
 def test_spec_draft_without_a_model_is_a_problem(qwen):

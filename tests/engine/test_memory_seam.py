@@ -163,9 +163,9 @@ def test_random_aborts_leave_both_pools_whole(model):
         idle = wait_idle(engine)
         assert idle["aborted"] > 20
         assert idle["pages_free"] == idle["pages_total"] == 12  # idle cached prefix pages count as free
-        # idle snapshots count as free slots; the pool itself holds only those
-        assert idle["state_slots_free"] == 6
-        assert engine.runner.state.num_free + idle["state_snapshots"] == 6
+        # snapshots live in host memory: every device slot is free, and the host buffers stay within the budget
+        assert idle["state_slots_free"] == engine.runner.state.num_free == 6
+        assert idle["state_snapshot_host_bytes"] <= 2 * idle["state_slot_bytes"]
     finally:
         engine.shutdown()
 
@@ -234,8 +234,8 @@ def test_speculative_rollback_restores_the_state_and_stays_lossless(model):
 
 def test_a_hybrid_folder_builds_and_the_ledger_counts_what_the_engine_allocates(weights, tmp_path, monkeypatch):
     """build_engine on a folder of the stand-in hybrid (config.json layer_types): the KV pool covers the attention
-    layers only, the state pool holds one slot per sequence plus the prefix snapshots, and the ledger the engine was
-    sized with counts exactly those pages and state bytes."""
+    layers only, the state pool holds one slot per sequence (the prefix snapshots are in host memory), and the ledger
+    the engine was sized with counts exactly those pages and state bytes, the snapshots on the host."""
     from engine.build import build_engine
     from engine.model.config import HF_ARCHS
     from tests.engine.recurrent_model import HF_NAME, write_hybrid_folder
@@ -249,8 +249,11 @@ def test_a_hybrid_folder_builds_and_the_ledger_counts_what_the_engine_allocates(
         assert loaded.config.layer_kinds == KINDS
         assert runner.kv.num_layers == 2 and runner.pool.num_pages == ledger.gpu_pages == 16
         assert ledger.page_bytes == runner.kv.page_bytes  # KV of the two attention layers only
-        assert runner.state.num_slots == 3 + 3  # three sequences, three prefix snapshots (reuse is on)
+        assert runner.state.num_slots == 3  # three sequences
         assert ledger.line("state").bytes == runner.state.num_slots * runner.state.slot_bytes
+        snaps = ledger.line("state_snapshots")  # up to three prefix snapshots (reuse is on), on the host
+        assert snaps.device == "host" and snaps.bytes == 3 * runner.state.slot_bytes
+        assert loaded.engine.memory.state.max_snapshots == 3
         assert "2 linear layers" in ledger.line("state").name
         tokens = loaded.engine.start().generate(prompt(70, 90), greedy(6))
         assert tokens == reference_greedy(weights, prompt(70, 90), 6)

@@ -107,9 +107,9 @@ def test_batched_decode_steps_every_state_together_and_matches_transformers(mode
     """Three sequences of odd lengths decode 6 steps together, eagerly (recurrent layers batched over the state
     slots) and through the static decode forward that CUDA graphs record (batch 3 padded to 4: the dummy row steps
     the pool's scratch slot). Each row's logits equal transformers' on that sequence alone; a snapshot saved by a
-    decode step at a page boundary holds the state after that token; the other slots are untouched."""
+    decode step at a page boundary (into host memory) holds the state after that token; the other slots are untouched."""
     hf, _ = checkpoint
-    runner = ModelRunner(model, 8, torch.float32, 64, state_slots=6, static_decode=static)
+    runner = ModelRunner(model, 8, torch.float32, 64, state_slots=5, static_decode=static)
     assert (runner.state.scratch is not None) == static
     prompts = [tokens(40 + i, n) for i, n in enumerate((61, 5, 90))]
     seqs = []
@@ -119,7 +119,7 @@ def test_batched_decode_steps_every_state_together_and_matches_transformers(mode
         seqs.append((p, pages, state))
     spare = runner.state.allocate()
     untouched = [t[spare].clone() for layer in runner.state.layers for t in layer.values()]
-    snapshot = runner.state.allocate()
+    snapshot = runner.state.host_buffer()
     steps = [[int(x) for x in np.random.default_rng(50 + s).integers(2, VOCAB, 3)] for s in range(6)]
     rows = []
     for step, new in enumerate(steps):
@@ -139,7 +139,7 @@ def test_batched_decode_steps_every_state_together_and_matches_transformers(mode
     # the snapshot is the first sequence's state after its 64th token: continuing from it gives the same logits
     first = prompts[0] + [s[0] for s in steps]
     pages, state = runner.pool.allocate(2), SeqState(runner.state.allocate())
-    runner.state.copy(snapshot, state.slot)
+    runner.state.load(snapshot, state.slot)
     runner.kv.copy_pages(seqs[0][1][:1], pages[:1])
     out = runner.run([Work(first[64:], 64, pages, "all", state)])[0]
     assert rel_err(out, hf_logits(hf, first)[64:]) <= 1e-4
