@@ -65,9 +65,9 @@ def _gdn_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_
 
 
 def recurrent_launch_params(dk: int, dv: int) -> tuple[int, int, int]:
-    """(BLOCK_K, BLOCK_V, num_warps) on a GPU: a [128, 16] float32 state slice, 112 registers a thread at 4 warps
-    (160 with an fp16 pool and step slots) at sm_80, and B x HV x Dv/16 programs (384 for one sequence of Qwen3.5's
-    48 heads) to spread a single sequence over the SMs."""
+    """(BLOCK_K, BLOCK_V, num_warps) on a GPU: a [128, 16] float32 state slice (64-80 registers a thread at 4 warps
+    for sm_80/sm_90, tests/kernels/test_cuda_compile.py), and B x HV x Dv/16 programs (384 for one sequence of
+    Qwen3.5's 48 heads) to spread a single sequence over the SMs."""
     block_k = max(16, triton.next_power_of_2(dk))
     return block_k, 16, 4 if block_k <= 128 else 8
 
@@ -101,8 +101,6 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     if B == 0 or T == 0:
         return o
     block_k, block_v, warps = recurrent_launch_params(DK, DV)
-    if is_interpreted(_gdn_recurrent_kernel):
-        block_v = max(16, triton.next_power_of_2(DV))  # one program per (sequence, head): the interpreter pays per program
     _gdn_recurrent_kernel[(B, HV, triton.cdiv(DV, block_v))](
         q, k, v, g, beta, state, slots, steps, o, T, DK, DV, HV // HK, DK ** -0.5, NORM_EPS,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -4,6 +4,8 @@ the wrappers pick on a GPU, and report registers and spills (ptxas -v). Run in a
     python -m tests.kernels.cuda_compile_check [arch ...]      (default: 80 90; prints one JSON line per kernel)
 
 The interpreter never exercises the GPU compiler (layouts, tl.dot shape/dtype rules, register allocation); this does.
+A case's launch is its num_warps, or a dict of compile options plus "aligned": the arguments a GPU launch sees as
+multiples of 16 (triton specializes pointers and integers so; the gated delta cases use it, for their tiles' loads).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import kv_write, paged_attention, qlinear, quest, rms_norm, rope, silu_and_mul
+from kernels import (gated_delta, gated_delta_chunk, kv_write, paged_attention, qlinear, quest, rms_norm, rope,
+                     silu_and_mul)
 
 I32 = "i32"
 
@@ -58,6 +61,7 @@ def cases():
            {"x_ptr": "*bf16", "out_ptr": "*bf16", "N": I32, "stride_x": I32, "stride_o": I32, "BLOCK": "constexpr"},
            {"BLOCK": 1024}, 4)
     yield from more_cases()
+    yield from gated_delta_cases()
 
 
 def paged_attention_cases():
@@ -104,6 +108,58 @@ def more_cases():
             "BLOCK_N": "constexpr", "BLOCK_D": "constexpr"}, {"BLOCK_N": 64, "BLOCK_D": 64}, 4)
 
 
+def gated_delta_cases():
+    """The gated delta rule at Qwen3.5's shapes (Dk = Dv = 128; HK 16, HV 48 are runtime values): decode over fp32 and
+    fp16 state pools, with and without step slots, fp32 and bf16 q/k/v; the three prefill kernels; the conv update.
+    Tiles, warps, stages and dot precision: what the wrappers pick on a GPU."""
+    dk = dv = 128
+
+    def sig_of(fn, types):  # every other runtime argument an i32
+        return {p.name: "constexpr" if p.is_constexpr else types.get(p.name, I32) for p in fn.params}
+
+    def aligned(sig):
+        return [n for n, t in sig.items() if t.startswith("*") or n.startswith("stride") or n in ("DK", "DV")]
+
+    block_k, block_v, warps = gated_delta.recurrent_launch_params(dk, dv)
+    fn = gated_delta._gdn_recurrent_kernel
+    for x, st, steps in (("fp32", "fp32", False), ("fp32", "fp16", True), ("bf16", "fp32", True), ("bf16", "fp16", False)):
+        sig = sig_of(fn, {"q_ptr": f"*{x}", "k_ptr": f"*{x}", "v_ptr": f"*{x}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
+                          "state_ptr": f"*{st}", "slot_ptr": "*i64", "step_ptr": "*i64", "o_ptr": "*fp32",
+                          "q_scale": "fp32", "eps": "fp32"})
+        yield (f"gdn_recurrent qkv={x} state={st} steps={steps}", fn, sig,
+               {"HAS_STEPS": steps, "BLOCK_K": block_k, "BLOCK_V": block_v},
+               {"num_warps": warps, "aligned": aligned(sig)})
+
+    p = gated_delta_chunk.chunk_launch_params(dk, dv)
+    tiles = {"C": gated_delta_chunk.CHUNK, "BLOCK_K": p["block_k"], "TWO_HALVES": p["halves"],
+             "PRECISION": gated_delta_chunk.GPU_PRECISION}
+    fp32_ptrs = ("g_ptr", "beta_ptr", "w_ptr", "u_ptr", "a_ptr", "rq_ptr", "rk_ptr", "h_ptr", "o_ptr")
+    for x in ("fp32", "bf16"):
+        fn = gated_delta_chunk._chunk_prepare_kernel
+        sig = sig_of(fn, {**{n: "*fp32" for n in fp32_ptrs}, "q_ptr": f"*{x}", "k_ptr": f"*{x}", "v_ptr": f"*{x}",
+                          "q_scale": "fp32", "eps": "fp32"})
+        yield (f"gdn_chunked prepare qkv={x}", fn, sig,
+               {"C": tiles["C"], "BLOCK_K": p["prepare_k"], "BLOCK_V": p["prepare_v"], "PRECISION": tiles["PRECISION"]},
+               {"num_warps": p["prepare_warps"], "num_stages": p["stages"], "aligned": aligned(sig)})
+        fn = gated_delta_chunk._chunk_output_kernel
+        sig = sig_of(fn, {**{n: "*fp32" for n in fp32_ptrs}, "q_ptr": f"*{x}"})
+        yield (f"gdn_chunked output q={x}", fn, sig, {**tiles, "BLOCK_V": p["out_v"]},
+               {"num_warps": p["out_warps"], "num_stages": p["stages"], "aligned": aligned(sig)})
+    for x, st in (("fp32", "fp32"), ("bf16", "fp16")):
+        fn = gated_delta_chunk._chunk_state_kernel
+        sig = sig_of(fn, {**{n: "*fp32" for n in fp32_ptrs}, "k_ptr": f"*{x}", "src_ptr": f"*{st}",
+                          "dst_ptr": f"*{st}"})
+        yield (f"gdn_chunked state k={x} state={st}", fn, sig, {**tiles, "BLOCK_V": p["state_v"]},
+               {"num_warps": p["state_warps"], "num_stages": p["stages"], "aligned": aligned(sig)})
+
+    fn = gated_delta._causal_conv_update_kernel
+    for x, st in (("fp32", "fp32"), ("bf16", "bf16")):
+        sig = sig_of(fn, {"x_ptr": f"*{x}", "w_ptr": "*fp32", "state_ptr": f"*{st}", "slot_ptr": "*i64",
+                          "o_ptr": "*fp32"})
+        yield (f"causal_conv_update x={x} state={st} K=4", fn, sig, {"K": 4, "BLOCK_C": 256},
+               {"num_warps": 2, "aligned": aligned(sig)})
+
+
 def ptxas_info(ptx: str, arch: int) -> dict:
     exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     gpu = re.search(r"\.target\s+(sm_\w+)", ptx).group(1)
@@ -122,11 +178,14 @@ def main() -> None:
     archs = [int(a) for a in sys.argv[1:]] or [80, 90]
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
-        for name, fn, sig, consts, warps in cases():
-            row = {"arch": arch, "kernel": name, "num_warps": warps}
+        for name, fn, sig, consts, launch in cases():
+            options = dict(launch) if isinstance(launch, dict) else {"num_warps": launch}
+            names = list(sig)
+            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in options.pop("aligned", ())}
+            row = {"arch": arch, "kernel": name, "num_warps": options["num_warps"]}
             try:
-                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
-                                   options={"num_warps": warps})
+                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=target,
+                                   options=options)
                 row.update(ok=True, **ptxas_info(k.asm["ptx"], arch))
             except Exception as e:  # reported, the test fails on it
                 row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")

@@ -175,8 +175,8 @@ def test_chunked_odd_head_dims():
 
 
 def test_prefill_then_decode_continues_the_same_recurrence():
-    """The dispatched ops chained as the engine chains them (a prompt through the chunked form, then a token through the recurrent
-    one) against the oracle over all the tokens."""
+    """The dispatched ops chained as the engine chains them (a prompt through the chunked form, then a token through
+    the recurrent one) against the oracle over all the tokens."""
     HK, HV, DK, DV, T = 2, 4, 16, 16, 70
     q, k, v = fused_qkv((T + 1,), HK, HV, DK, DV)
     g, beta = gates((T + 1,), HV)
