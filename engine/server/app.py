@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 
 from engine.metrics import RequestCounter
 from engine.server import admin, errors, security
+from engine.server.bodies import ThreadedBodyRoute
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
 from engine.server.messages import MessagesRequest, count_tokens, messages
@@ -40,7 +41,6 @@ def create_app(state: ServerState) -> FastAPI:
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
         return await chat_completions(req, state, request)
 
-    @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, request: Request):
         return await completions(req, state, request)
 
@@ -53,11 +53,15 @@ def create_app(state: ServerState) -> FastAPI:
     async def count_message_tokens(req: MessagesRequest):
         return await count_tokens(req, state)
 
-    # Each route once under /v1, and (for clients configured with a bare base URL) without it, out of the schema.
+    # Each route once under /v1, and (for clients configured with a bare base URL) without it, out of the schema;
+    # their bodies are read in a worker thread (engine.server.bodies).
     for path, handler in (("/chat/completions", create_chat_completion), ("/responses", create_response),
                           ("/messages", create_message), ("/messages/count_tokens", count_message_tokens)):
-        app.add_api_route("/v1" + path, handler, methods=["POST"])
-        app.add_api_route(path, handler, methods=["POST"], include_in_schema=False)
+        app.router.add_api_route("/v1" + path, handler, methods=["POST"], route_class_override=ThreadedBodyRoute)
+        app.router.add_api_route(path, handler, methods=["POST"], include_in_schema=False,
+                                 route_class_override=ThreadedBodyRoute)
+    app.router.add_api_route("/v1/completions", create_completion, methods=["POST"],
+                             route_class_override=ThreadedBodyRoute)
     app.add_api_route("/models", list_models, methods=["GET"], include_in_schema=False)
     return app
 

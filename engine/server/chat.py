@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine.constrain import Constraint, UnsupportedSchema, tool_call_constraint
 from engine.errors import NInferError
 from engine.server.errors import APIError, error_body
-from engine.server.generation import (Choice, response_constraint, run_choices, sampling_params, submit,
-                                       unless_disconnected, usage_dict)
+from engine.server.generation import (Choice, check_prompt_chars, response_constraint, run_choices, sampling_params,
+                                       submit, unless_disconnected, usage_dict)
 from engine.server.parsers import required_tool, tool_names_for, validate_tools
 from engine.server.schemas import ChatCompletionRequest
 from engine.server.state import ServerState
@@ -39,8 +39,9 @@ def _thinking_kwargs(state: ServerState, req: ChatCompletionRequest, template: s
     return {"enable_thinking": effort != "none"}
 
 
-def render(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], bool]:
-    """Token ids of the prompt, and whether the model's answer starts inside a <think> block."""
+def render(state: ServerState, req: ChatCompletionRequest, param: str = "messages") -> tuple[list[int], bool]:
+    """Token ids of the prompt, and whether the model's answer starts inside a <think> block. CPU-bound (a long
+    conversation takes seconds to render and encode): call it in a worker thread."""
     tok = state.ready().tokenizer
     problems = validate_tools(req.tools, req.tool_choice)
     if problems:
@@ -53,6 +54,7 @@ def render(state: ServerState, req: ChatCompletionRequest) -> tuple[list[int], b
                                **_thinking_kwargs(state, req, template))
     except NInferError as e:
         raise APIError(400, str(e), param="messages") from None
+    check_prompt_chars(tok, text, state.ready().context_window, param)
     return tok.encode(text), text.rstrip().endswith("<think>")
 
 
@@ -82,7 +84,7 @@ def output_constraint(tok, req: ChatCompletionRequest, in_reasoning: bool) -> Co
 async def chat_completions(req: ChatCompletionRequest, state: ServerState, request=None):
     state.check_model(req.model)
     loaded = state.ready()
-    prompt, in_reasoning = render(state, req)
+    prompt, in_reasoning = await asyncio.to_thread(render, state, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, state, len(prompt), loaded.context_window, logprobs)
     params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, req, in_reasoning)

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.server.chat import SSE_HEADERS, sse
 from engine.server.errors import APIError, error_body
-from engine.server.generation import (Choice, response_constraint, run_choices, sampling_params, submit_all,
-                                       unless_disconnected, usage_dict)
+from engine.server.generation import (Choice, check_prompt_chars, response_constraint, run_choices, sampling_params,
+                                       submit_all, unless_disconnected, usage_dict)
 from engine.server.schemas import CompletionRequest
 from engine.server.state import ServerState
 
@@ -28,6 +28,22 @@ def _legacy_logprobs(tokenizer, entries, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def encode_prompts(tok, req: CompletionRequest, context: int) -> list[tuple[str, list[int]]]:
+    """(text, token ids) of each prompt; a 400 for an empty prompt or ids outside the vocabulary. CPU-bound (a
+    long prompt takes seconds to encode): call it in a worker thread."""
+    prompts = []
+    for p in req.prompts():
+        if isinstance(p, str):
+            check_prompt_chars(tok, p, context, "prompt")
+        ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError(400, "The prompt is empty.", param="prompt")
+        if any(not 0 <= t < tok.vocab_size for t in ids):
+            raise APIError(400, f"Prompt token ids must be between 0 and {tok.vocab_size - 1}.", param="prompt")
+        prompts.append((p if isinstance(p, str) else tok.decode(ids), ids))
+    return prompts
+
+
 async def completions(req: CompletionRequest, state: ServerState, request=None):
     state.check_model(req.model)
     loaded = state.ready()
@@ -35,14 +51,7 @@ async def completions(req: CompletionRequest, state: ServerState, request=None):
         raise APIError(400, "suffix (fill-in-the-middle) is not available in this version; send the prompt only.",
                        param="suffix")
     tok = loaded.tokenizer
-    prompts = []
-    for p in req.prompts():
-        ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
-        if not ids:
-            raise APIError(400, "The prompt is empty.", param="prompt")
-        if any(not 0 <= t < tok.vocab_size for t in ids):
-            raise APIError(400, f"Prompt token ids must be between 0 and {tok.vocab_size - 1}.", param="prompt")
-        prompts.append((p if isinstance(p, str) else tok.decode(ids), ids))
+    prompts = await asyncio.to_thread(encode_prompts, tok, req, loaded.context_window)
     constraint = await asyncio.to_thread(response_constraint, tok, req.response_format)
     jobs, choices, echoes = [], [], []
     for k, (text, ids) in enumerate(prompts):  # every prompt checked before any is submitted

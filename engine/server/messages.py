@@ -20,7 +20,7 @@ from engine.server.generation import Choice, sampling_params, submit, unless_dis
 from engine.server.messages_reply import MessageReply
 from engine.server.parsers import tool_names_for
 from engine.server.schemas import (INT32_MAX, MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, Int,
-                                   RequestBody, TokenCount)
+                                   TokenCount, _Open)
 from engine.server.state import ServerState
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -28,7 +28,7 @@ OMITTED_TOOLS_HEADER = "X-NInfer-Omitted-Tools"
 _THINKING_EFFORT = {"enabled": "high", "disabled": "none", "adaptive": None}
 
 
-class MessagesRequest(RequestBody):
+class MessagesRequest(_Open):
     """Anthropic's request body; fields this server has no use for (metadata, context_management, output_config,
     service_tier, container, mcp_servers, ...) are accepted and ignored."""
     model: str
@@ -250,6 +250,14 @@ def to_chat_request(req: MessagesRequest, served: str) -> tuple[ChatCompletionRe
     return chat, omitted
 
 
+def prepare(state: ServerState, req: MessagesRequest, served: str):
+    """(chat request, omitted tools, prompt token ids, whether the answer starts in reasoning). CPU-bound (a long
+    conversation takes seconds to convert and encode): call it in a worker thread."""
+    chat, omitted = to_chat_request(req, served)
+    prompt, in_reasoning = render(state, chat)
+    return chat, omitted, prompt, in_reasoning
+
+
 def _headers(omitted: list[str]) -> dict:
     return {OMITTED_TOOLS_HEADER: ", ".join(omitted)} if omitted else {}
 
@@ -260,8 +268,7 @@ async def messages(req: MessagesRequest, state: ServerState, request=None):
     if req.max_tokens is None:
         raise _bad("max_tokens is required: the most tokens the answer may have (it is capped to the room left "
                    "in the context).", "max_tokens")
-    chat, omitted = to_chat_request(req, served)
-    prompt, in_reasoning = render(state, chat)
+    chat, omitted, prompt, in_reasoning = await asyncio.to_thread(prepare, state, req, served)
     params = sampling_params(chat, state, len(prompt), loaded.context_window)
     params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)
     streams = submit(state, prompt, params, 1)
@@ -280,6 +287,5 @@ async def count_tokens(req: MessagesRequest, state: ServerState) -> dict:
     """The prompt tokens the engine would see for this request (the same rendering as /v1/messages)."""
     served = state.check_model(req.model)
     state.ready()
-    chat, _ = to_chat_request(req, served)
-    prompt, _ = render(state, chat)
+    _, _, prompt, _ = await asyncio.to_thread(prepare, state, req, served)
     return {"input_tokens": len(prompt)}

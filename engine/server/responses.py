@@ -14,10 +14,10 @@ from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages import OMITTED_TOOLS_HEADER
 from engine.server.parsers import tool_names_for
-from engine.server.responses_input import read_input, read_tool_choice, read_tools
+from engine.server.responses_input import ResponseTools, read_input, read_tool_choice, read_tools
 from engine.server.responses_reply import ResponseReply
-from engine.server.schemas import (MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, RequestBody,
-                                   TokenCount, _Open)
+from engine.server.schemas import (MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, TokenCount,
+                                   _Open)
 from engine.server.state import ServerState
 
 _EFFORT = {"none": "none", "minimal": "minimal", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
@@ -28,7 +28,7 @@ class Reasoning(_Open):
     summary: str | None = None  # auto, concise, detailed: the reasoning comes as the reasoning item's summary
 
 
-class ResponsesRequest(RequestBody):
+class ResponsesRequest(_Open):
     """Fields this server has no use for (store, include, prompt_cache_key, service_tier, client_metadata,
     text.verbosity, reasoning.summary, truncation, user, ...) are accepted and ignored."""
     model: str
@@ -68,14 +68,9 @@ def _effort(req: ResponsesRequest) -> str | None:
     return _EFFORT[effort]
 
 
-async def responses(req: ResponsesRequest, state: ServerState, request=None):
-    served = state.check_model(req.model)
-    loaded = state.ready()
-    if req.previous_response_id:
-        raise APIError(400, "previous_response_id is not available: this server stores no responses. Send the "
-                            "whole conversation in input (as Codex does with store=false).",
-                       param="previous_response_id")
-    tools = read_tools(req.tools)
+def prepare(state: ServerState, req: ResponsesRequest, served: str, tools: ResponseTools):
+    """(chat request, prompt token ids, whether the answer starts in reasoning). CPU-bound (a long conversation
+    takes seconds to convert and encode): call it in a worker thread."""
     try:
         chat = ChatCompletionRequest(
             model=served, messages=read_input(req.instructions, req.input, tools) or [{"role": "user", "content": ""}],
@@ -89,7 +84,19 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
         param = "text.format" if first["loc"] and first["loc"][0] == "response_format" else "input"
         raise APIError(400, f"The request cannot be read as a conversation: {where}: {first['msg']}.",
                        param=param) from None
-    prompt, in_reasoning = render(state, chat)
+    prompt, in_reasoning = render(state, chat, "input")
+    return chat, prompt, in_reasoning
+
+
+async def responses(req: ResponsesRequest, state: ServerState, request=None):
+    served = state.check_model(req.model)
+    loaded = state.ready()
+    if req.previous_response_id:
+        raise APIError(400, "previous_response_id is not available: this server stores no responses. Send the "
+                            "whole conversation in input (as Codex does with store=false).",
+                       param="previous_response_id")
+    tools = read_tools(req.tools)
+    chat, prompt, in_reasoning = await asyncio.to_thread(prepare, state, req, served, tools)
     params = sampling_params(chat, state, len(prompt), loaded.context_window, param="input")
     try:
         params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)

@@ -3,10 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, model_validator
-from pydantic_core import PydanticCustomError
-
-from engine.server.errors import invalid_text_at, invalid_text_message
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool
 
 
 # Bounds on what one request may hold (a 400 beyond them), so no request can make the server do unbounded work.
@@ -34,18 +31,6 @@ def _bounded_stop(stop: str | list[str] | None) -> str | list[str] | None:
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
-
-
-class RequestBody(_Open):
-    """A whole request body: first of all, every string in it must be valid Unicode (a 400 naming the field)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data):
-        where = invalid_text_at(data)
-        if where is not None:
-            raise PydanticCustomError("invalid_text", invalid_text_message("{where}"), {"where": where})
-        return data
 
 
 def _text_parts(content: str | list[dict[str, Any]] | None):
@@ -93,7 +78,7 @@ class JSONSchemaFormat(_Open):
 ResponseFormat = Annotated[Union[TextFormat, JSONObjectFormat, JSONSchemaFormat], Field(discriminator="type")]
 
 
-class SamplingFields(RequestBody):
+class SamplingFields(_Open):
     """Fields shared by the completion endpoints; None means the server's default for the current mode."""
     model: str
     stream: Bool = False
