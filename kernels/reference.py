@@ -157,7 +157,7 @@ def gdn_recurrent_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         s.mul_(g[:, t].float().exp().view(B, HK, rep, 1, 1))
         kv = (kt @ s).view(B, HK, rep, DV)
         delta = beta[:, t].float().view(B, HK, rep, 1) * (v[:, t].float().view(B, HK, rep, DV) - kv)
-        s.add_(kt.transpose(-1, -2) * delta.unsqueeze(-2))
+        s.addcmul_(kt.transpose(-1, -2), delta.unsqueeze(-2))
         out[:, t] = (qn[:, t].view(B, HK, 1, 1, DK) @ s).view(B, HV, DV)
         if step_slots is not None:
             dst = step_slots[:, t].to(device=state.device, dtype=torch.long)

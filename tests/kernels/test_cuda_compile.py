@@ -25,6 +25,8 @@ def test_kernels_compile_for_cuda_without_spills():
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert len(rows) > 50
+    gated_delta = {row["kernel"].split()[0] for row in rows if row["kernel"].startswith(("gdn_", "causal_conv"))}
+    assert gated_delta == {"gdn_recurrent", "gdn_chunked", "causal_conv_update"}, gated_delta
     failed = [row for row in rows if not row["ok"]]
     assert not failed, failed[:3]
     spilled = [f"sm_{row['arch']} {row['kernel']}: {row['spill_bytes']} bytes" for row in rows if row["spill_bytes"]]
