@@ -155,7 +155,8 @@ class Gate:
             try:
                 length = int(lengths[0])
             except ValueError:
-                return await _send_error(send, 400, "The Content-Length header is not a number.", "invalid_request",
+                return await _send_error(send, 400, "The Content-Length header is not a number: send the body's "
+                                         "length in bytes, or no Content-Length (a chunked body).", "invalid_request",
                                          path=path)
             if length > self.max_body:
                 return await _send_error(send, 413, too_large, "request_too_large", path=path)

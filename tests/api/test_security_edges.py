@@ -45,3 +45,40 @@ def test_a_refused_cors_preflight_is_in_the_api_shape():
         r = client.options("/v1/messages", headers={"Origin": "http://b.test", **PREFLIGHT})
         assert r.status_code == 400 and r.json()["type"] == "error" and "--cors-origins" in r.json()["error"]["message"]
 
+
+
+def _asgi_post(app, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, dict, dict]:
+    """Calls the app directly, as an ASGI server that passes a request on unchecked would."""
+    import asyncio
+    import json
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"localhost"), *headers], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return start["status"], dict(start["headers"]), json.loads(body)
+
+
+def test_a_content_length_that_is_not_a_number_is_refused_in_the_api_shape():
+    # uvicorn's HTTP parser refuses such a request itself, in plain text, before the app sees it (the app cannot
+    # shape that answer); this is the app's own answer, for a server that passes the request on.
+    from engine.server.app import create_app
+    from engine.server.state import ServerState
+
+    settings, _ = load_settings([], {})
+    app = create_app(ServerState(settings, ["m"]))
+    status, headers, body = _asgi_post(app, "/v1/chat/completions", [(b"content-length", b"abc")])
+    assert status == 400 and headers[b"content-type"] == b"application/json"
+    assert body["error"]["code"] == "invalid_request" and "Content-Length" in body["error"]["message"]
+    status, _, body = _asgi_post(app, "/v1/messages", [(b"content-length", b"12x")])
+    assert status == 400 and body["type"] == "error" and "Content-Length" in body["error"]["message"]
