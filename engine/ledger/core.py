@@ -175,6 +175,7 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     wdtype = str(s["weight_dtype"])
     if wdtype != "auto" and wdtype not in WEIGHT_BITS:
         raise ValueError(f"unknown weight dtype {wdtype!r}; one of auto, {', '.join(WEIGHT_BITS)}")
+    shape = shape.on_device(on_gpu, wdtype)  # the conv window in the dtype the engine keeps it in there
     layout = KV_LAYOUTS[kv_dtype]
     page_bytes = shape.kv_bytes_per_token(kv_dtype) * PAGE_SIZE
     conc = max(int(s["max_concurrency"]), 1)

@@ -131,8 +131,8 @@ def test_gpu_decode_batches_that_pad_count_a_scratch_state_slot(qwen, conc):
                     max_shared_prefixes=0)
     gpu = build_ledger(qwen, settings, vram_mib=24576, ram_mib=32768)
     cpu = build_ledger(qwen, settings, vram_mib=0, ram_mib=65536)
-    assert cpu.line("state").bytes == conc * qwen.state_bytes()
-    assert gpu.line("state").bytes == (conc + (conc > 2)) * qwen.state_bytes()
+    assert cpu.line("state").bytes == conc * qwen.on_device(False, "ternary").state_bytes()  # fp32 conv window
+    assert gpu.line("state").bytes == (conc + (conc > 2)) * qwen.on_device(True, "ternary").state_bytes()
     assert ("scratch" in gpu.line("state").name) == (conc > 2)
 
 
