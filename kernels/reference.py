@@ -176,8 +176,8 @@ def gdn_chunked_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     w = (I + A)^-1 beta exp(G) k; per chunk from the state S: delta = u - w S,
     o = exp(G) q S + (tril(exp(G_i - G_j)) * q k^T) delta, S <- exp(G_last) S + (exp(G_last - G) k)^T delta.
     The tokens past T that pad the last chunk have k = v = 0 and g = beta = 0: they change nothing."""
-    T, HK, DK = q.shape
-    HV, DV = v.shape[1], v.shape[2]
+    T, HK = q.shape[:2]
+    HV = v.shape[1]
     rep = HV // HK
     qn, kn = (x.repeat_interleave(rep, dim=1) for x in _gdn_qk(q, k))
     pad = (-T) % chunk

@@ -122,7 +122,8 @@ def gated_delta_cases():
 
     block_k, block_v, warps = gated_delta.recurrent_launch_params(dk, dv)
     fn = gated_delta._gdn_recurrent_kernel
-    for x, st, steps in (("fp32", "fp32", False), ("fp32", "fp16", True), ("bf16", "fp32", True), ("bf16", "fp16", False)):
+    combos = (("fp32", "fp32", False), ("fp32", "fp16", True), ("bf16", "fp32", True), ("bf16", "fp16", False))
+    for x, st, steps in combos:
         sig = sig_of(fn, {"q_ptr": f"*{x}", "k_ptr": f"*{x}", "v_ptr": f"*{x}", "g_ptr": "*fp32", "beta_ptr": "*fp32",
                           "state_ptr": f"*{st}", "slot_ptr": "*i64", "step_ptr": "*i64", "o_ptr": "*fp32",
                           "q_scale": "fp32", "eps": "fp32"})

@@ -12,7 +12,9 @@ widths 4 and 2.
 Tolerances: kernel vs twin, both float32 with a different summation order (the chunked kernel also inverts the
 unit-triangular matrix by forward substitution where the twin calls solve_triangular): tolerances.py's float32.
 Twin vs the float64 oracle: rtol 1e-4, atol 1e-4 x max (float32 rounding accumulated over up to 150 tokens).
-States stored in float16: the float16 tolerance (each side rounds its float32 state once).
+States stored in float16: the float16 tolerance (each side rounds its float32 state once). Compiled for a GPU
+(NINFER_TEST_DEVICE=cuda) the chunk kernels multiply in tf32 (10-bit mantissa; about 5e-4 relative error over 1K
+tokens, estimated on the CPU by rounding the twin's products): there they are held to the float16 tolerance.
 """
 import importlib
 import math
@@ -26,8 +28,11 @@ import torch.nn.functional as F
 from kernels import dispatch, reference
 from tests.kernels.tolerances import assert_close
 
+DEVICE = os.environ.get("NINFER_TEST_DEVICE", "cpu")
+CHUNK_TOL = torch.float32 if DEVICE == "cpu" else torch.float16  # tolerance class of the chunk kernels vs the twin
+
 # conftest.py defines the listed Triton modules for the interpreter; these are defined the same way here.
-if os.environ.get("NINFER_TEST_DEVICE", "cpu") == "cpu":
+if DEVICE == "cpu":
     _saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     for _name in ("kernels.gated_delta", "kernels.gated_delta_chunk"):
@@ -47,10 +52,10 @@ from kernels.gated_delta_chunk import gdn_chunked  # noqa: E402
 ORACLE_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-def assert_oracle(actual, expected, what):
+def assert_oracle(actual, expected, what, loosen=1.0):
     e = expected.to(actual.dtype)
-    torch.testing.assert_close(actual, e, rtol=ORACLE_TOL["rtol"], atol=ORACLE_TOL["atol"] * e.abs().max().item(),
-                               msg=lambda m: f"{what}: {m}")
+    rtol, atol = ORACLE_TOL["rtol"] * loosen, ORACLE_TOL["atol"] * loosen * e.abs().max().item()
+    torch.testing.assert_close(actual, e, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def oracle(q, k, v, g, beta, state):
@@ -86,8 +91,8 @@ def gates(lead, HV):
     return g.float(), torch.rand(*lead, HV).float()
 
 
-def assert_state(actual, expected, what):
-    assert_close(actual, expected, dtype=actual.dtype, what=what)
+def assert_state(actual, expected, what, tol=torch.float32):
+    assert_close(actual, expected, dtype=actual.dtype if actual.dtype != torch.float32 else tol, what=what)
 
 
 SHAPES = [(2, 6, 32, 16), (2, 2, 24, 20)]  # (HK, HV, Dk, Dv): grouping 3 with Dk != Dv; grouping 1, odd dims
@@ -137,8 +142,8 @@ def test_chunked(T, state_dtype):
     o_kernel = gdn_chunked(q, k, v, g, beta, kern_pool, 2)
     o_twin = reference.gdn_chunked_ref(q, k, v, g, beta, twin_pool, 2)
     assert o_kernel.shape == (T, HV, DV) and torch.isfinite(o_kernel).all()
-    assert_close(o_kernel, o_twin, what="o kernel vs twin")
-    assert_state(kern_pool, twin_pool, "state kernel vs twin")
+    assert_close(o_kernel, o_twin, dtype=CHUNK_TOL, what="o kernel vs twin")
+    assert_state(kern_pool, twin_pool, "state kernel vs twin", CHUNK_TOL)
 
     o_ref, after = oracle(q, k, v, g, beta, pool[2].float())
     assert_oracle(o_twin, o_ref, "o twin vs oracle")
@@ -158,8 +163,8 @@ def test_chunked_in_segments(segment, monkeypatch):
     pool = torch.randn(3, HV, DK, DV).half()
     kern_pool, twin_pool = pool.clone(), pool.clone()
     o_kernel = gdn_chunked(q, k, v, g, beta, kern_pool, 0)
-    assert_close(o_kernel, reference.gdn_chunked_ref(q, k, v, g, beta, twin_pool, 0), what="o")
-    assert_state(kern_pool, twin_pool, "state")
+    assert_close(o_kernel, reference.gdn_chunked_ref(q, k, v, g, beta, twin_pool, 0), dtype=CHUNK_TOL, what="o")
+    assert_state(kern_pool, twin_pool, "state", CHUNK_TOL)
     assert torch.equal(kern_pool[1:], pool[1:])
 
 
@@ -170,8 +175,8 @@ def test_chunked_odd_head_dims():
     pool = torch.randn(2, HV, DK, DV)
     kern_pool, twin_pool = pool.clone(), pool.clone()
     o_kernel = gdn_chunked(q, k, v, g, beta, kern_pool, 1)
-    assert_close(o_kernel, reference.gdn_chunked_ref(q, k, v, g, beta, twin_pool, 1), what="o")
-    assert_state(kern_pool, twin_pool, "state")
+    assert_close(o_kernel, reference.gdn_chunked_ref(q, k, v, g, beta, twin_pool, 1), dtype=CHUNK_TOL, what="o")
+    assert_state(kern_pool, twin_pool, "state", CHUNK_TOL)
 
 
 def test_prefill_then_decode_continues_the_same_recurrence():
@@ -186,8 +191,9 @@ def test_prefill_then_decode_continues_the_same_recurrence():
     o_pre = dispatch.gdn_chunked(q[:T], k[:T], v[:T], g[:T], beta[:T], pool, 1)
     o_dec = dispatch.gdn_recurrent(q[None, T:], k[None, T:], v[None, T:], g[None, T:], beta[None, T:], pool,
                                    torch.tensor([1]))
-    assert_oracle(torch.cat((o_pre, o_dec[0])), o_ref, "outputs")
-    assert_oracle(pool[1], after[-1], "state")
+    loosen = 1.0 if DEVICE == "cpu" else 20.0  # tf32 products on a GPU
+    assert_oracle(torch.cat((o_pre, o_dec[0])), o_ref, "outputs", loosen)
+    assert_oracle(pool[1], after[-1], "state", loosen)
     assert torch.equal(pool[0], start[0]) and torch.equal(pool[2], start[2])
 
 
