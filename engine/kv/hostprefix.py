@@ -8,8 +8,8 @@ first. So a stored prefix never takes host memory a sequence needs. Entries are 
 and their parent's key, which a hit compares: a hash collision can only cost a miss.
 
 Windowed sequences (engine/kv/window.py) keep every full page on the host anyway: when one ends, its written-through
-pages become stored pages as they are (``keep``, no copy), and a later windowed sequence with the same prefix takes
-them over as its own host pages (``PagePool.share`` -> ``pinned``: the store forgets them until that sequence ends
+pages whose KV a cold prefill of the same tokens computes alike (TieredPages.exact_pages) become stored pages as they
+are (``keep``, no copy), and a later windowed sequence with the same prefix takes them over as its own host pages (``PagePool.share`` -> ``pinned``: the store forgets them until that sequence ends
 and gives them back). Only full pages are stored: partial pages (GPU prefix-cache tails) are dropped on eviction.
 """
 from __future__ import annotations
@@ -117,7 +117,7 @@ class HostPrefixStore:
 
     def keep(self, tokens: list[int], host_pages: list[int]) -> int:
         """A windowed sequence is about to release its host pages; host_pages[i] holds the KV of page i of `tokens`
-        (written through: full and computed). Each one whose prefix is not stored yet becomes a stored page as it is
+        (written through: full and computed, as a cold prefill computes it). Each one whose prefix is not stored yet becomes a stored page as it is
         (idle once released). Returns how many."""
         ps = self.pool.page_size
         key, new = b"", []

@@ -268,10 +268,11 @@ class Tiering:
 
     def reuse_depth(self, pages: int) -> int:
         """Of `pages` matched prefix pages, how many a windowed sequence starts from: the most that end where a cold
-        prefill of its tokens starts a chunk (a multiple of the prefill chunk), so that every step after them
+        prefill of its tokens starts a chunk (a multiple of the prefill chunk), or where a step still attends to
+        the whole context (its window reaches the sink, as the cold chunk's does), so that every step after them
         computes what the cold prefill's steps compute."""
-        ps, chunk = self.spec.page_size, self.spec.chunk
-        while pages and pages * ps % chunk:
+        spec, ps = self.spec, self.spec.page_size
+        while pages and pages * ps % spec.chunk and (pages * ps - spec.window) // ps > 1:
             pages -= 1
         return pages
 

@@ -17,8 +17,8 @@ in the GPU prefix cache, continued in the host prefix store) starts from those p
 TieredPages.preload); when it ends, its written-through host pages go to the host prefix store, which exists
 whenever tiers and prefix reuse are on (--kv-reuse-hostbacked also backs GPU cache evictions). Windowed sequences
 neither share GPU pages nor leave tails: their GPU pages are a ring, rewritten. A windowed sequence reuses a prefix
-only as deep as a multiple of the prefill chunk (Tiering.reuse_depth): what a windowed step computes depends on
-where it starts, and a cold prefill starts its chunks there.
+only as deep as a chunk boundary of a cold prefill (Tiering.reuse_depth): what a windowed step computes depends on
+where it starts.
 
 `check_admissions` (tests): after every admission, the prefix cache's and the windowed table's invariants are
 asserted (PrefixCache.check, TieredPages.check).
@@ -157,7 +157,9 @@ class AttentionMemory:
         if self.prefix is not None:
             self.prefix.check()
         if seq.pages.windowed:
-            assert seq.num_computed % self.tiers.spec.chunk == 0, "a windowed reuse off a chunk boundary"
+            spec, depth = self.tiers.spec, seq.num_computed
+            assert depth % spec.chunk == 0 or (depth - spec.window) // spec.page_size <= 1, \
+                "a windowed reuse off a chunk boundary"
             assert seq.pages.exact == seq.num_computed
             seq.pages.check(self.tiers.gpu, seq.num_computed)
 

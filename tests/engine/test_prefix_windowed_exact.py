@@ -43,10 +43,10 @@ def _tokens(n: int, seed: int) -> list[int]:
 
 
 def _engine(model, kv_dtype: str, *, reuse: bool, window=WINDOW, chunk=CHUNK, num_pages=48, host_pages=64,
-            **kw) -> Engine:
+            concurrency=1, **kw) -> Engine:
     dtype = torch.float32 if kv_dtype == "fp32" else kv_dtype
     runner = ModelRunner(model, num_pages, dtype, PAGE, host_pages=host_pages)
-    return Engine(runner, max_concurrency=1, prefill_chunk=chunk, max_context=4000, kv_window=window,
+    return Engine(runner, max_concurrency=concurrency, prefill_chunk=chunk, max_context=4000, kv_window=window,
                   kv_retrieve=RETRIEVE, max_shared_prefixes=4 if reuse else 0, **kw).start()
 
 
@@ -120,7 +120,7 @@ def test_a_prefix_from_the_host_store_gives_the_cold_logits(tiny, kv_dtype, shar
             warm, stats = _send(engine, seen, second)
     finally:
         engine.shutdown()
-    assert stats["prefix_host_hit_tokens"] == stats["prefix_hit_tokens"]
+    assert 0 < stats["prefix_host_hit_tokens"] == stats["prefix_hit_tokens"] <= shared
     _assert_same_logits(warm, _cold(tiny, kv_dtype, second), len(second) - len(answer))
 
 
@@ -148,8 +148,8 @@ def test_a_prompt_sent_again_and_a_follow_up_give_the_cold_logits(tiny, kv_dtype
 @pytest.mark.parametrize("shared", [200, 383])
 def test_a_prefix_from_the_gpu_prefix_cache_gives_the_cold_logits(tiny, kv_dtype, shared):
     """Window 384: a plain request (shorter than the window) is cached in the GPU prefix cache; a windowed request
-    that starts with it copies those pages, and computes the same logits as when sent cold (chunk 96: the cached
-    pages end off a chunk boundary)."""
+    that starts with it copies those pages, and computes the same logits as when sent cold (chunk 96: 320 cached
+    tokens end off a chunk boundary, where every step still attends to the whole context)."""
     base = _tokens(shared, seed=7)
     answer = _tokens(24, seed=8)
     long = base + _tokens(1100 - shared, seed=9) + answer
@@ -162,6 +162,7 @@ def test_a_prefix_from_the_gpu_prefix_cache_gives_the_cold_logits(tiny, kv_dtype
     finally:
         engine.shutdown()
     assert stats["kv_windowed_sequences"] == 0 and stats["prefix_host_hit_tokens"] == 0
+    assert stats["prefix_windowed_hit_tokens"] == stats["prefix_hit_tokens"] == shared // PAGE * PAGE
     _assert_same_logits(warm, _cold(tiny, kv_dtype, long, **kw), len(long) - len(answer))
 
 
@@ -185,3 +186,95 @@ def test_a_copied_partial_page_then_a_window_gives_the_cold_logits(tiny, kv_dtyp
     assert stats["prefix_partial_copies"] == 1 and stats["kv_evictions"] > 0
     _assert_same_logits(warm, _cold(tiny, kv_dtype, prompt, max_tokens=200), len(prompt))
     _assert_same_logits(warm_long, _cold(tiny, kv_dtype, long), len(long) - 1)
+
+
+def _logprobs(engine: Engine, prompts: list[list[int]], n: int) -> list[list[tuple[int, float]]]:
+    """Greedy (token, logprob) pairs of each prompt, all submitted at once."""
+    from tests.engine.helpers import collect
+
+    streams = [engine.submit(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0))
+               for p in prompts]
+    out = []
+    for stream in streams:
+        pairs, last = [], None
+        while last is None or not last.finished:
+            last = stream.get(timeout=120)
+            pairs += [(lp.token_id, lp.logprob) for lp in last.logprobs or []]
+        out.append(pairs)
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "k8v4"])
+def test_concurrent_windowed_prompts_sharing_the_step_budget_give_their_cold_answers(tiny, kv_dtype):
+    """Three windowed prompts (two sharing a stored prefix) submitted together share each step's prefill budget;
+    each one's greedy tokens and their logprobs equal the same prompt's sent alone without reuse."""
+    base = _tokens(300, seed=13)
+    prompts = [base + _tokens(500, seed=14), _tokens(650, seed=15), base + _tokens(430, seed=16)]
+    engine = _engine(tiny, kv_dtype, reuse=True, num_pages=96, host_pages=96, concurrency=3)
+    try:
+        engine.generate(base + _tokens(400, seed=17), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        got = _logprobs(engine, prompts, 8)
+        stats = wait_idle(engine)
+    finally:
+        engine.shutdown()
+    assert stats["prefix_host_hit_tokens"] > 0
+    for prompt, pairs in zip(prompts, got):
+        cold = _engine(tiny, kv_dtype, reuse=False)
+        try:
+            [want] = _logprobs(cold, [prompt], 8)
+        finally:
+            cold.shutdown()
+        assert [t for t, _ in pairs] == [t for t, _ in want]
+        torch.testing.assert_close([lp for _, lp in pairs], [lp for _, lp in want], rtol=1e-4, atol=1e-4)
+
+
+def _stepped(model, kv_dtype: str) -> Engine:
+    """An engine driven by step() in the test's thread, so that a failed check surfaces here."""
+    dtype = torch.float32 if kv_dtype == "fp32" else kv_dtype
+    return Engine(ModelRunner(model, 48, dtype, PAGE, host_pages=64), max_concurrency=1, prefill_chunk=CHUNK,
+                  max_context=4000, kv_window=WINDOW, kv_retrieve=RETRIEVE, max_shared_prefixes=4)
+
+
+def _run(engine: Engine, prompt: list[int]) -> None:
+    engine.submit(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.step():
+        pass
+
+
+def test_the_admission_check_recomputes_summaries_and_compares_the_window_with_the_host(tiny):
+    """The invariant check run after each admission fails on a stored page whose keys no longer match its Quest
+    summary, and on a window page that differs from its host copy."""
+    prompt = _tokens(700, seed=18)
+    engine = _stepped(tiny, "k8v4")
+    _run(engine, prompt)
+    host = engine.runner.host
+    stored = engine.memory.attention.host_prefix.match(prompt, 0, b"", 10)
+    assert len(stored) == 10
+    saved = host.kv.k[1][stored[3]].clone()
+    host.kv.k[1][stored[3]] = saved.flip(0)  # page 3's keys of layer 1, tokens reversed: a different minimum
+    with pytest.raises(AssertionError, match="Quest m"):
+        _run(engine, prompt)
+    host.kv.k[1][stored[3]] = saved
+
+    engine = _stepped(tiny, "fp32")
+    _run(engine, prompt)
+    engine.submit(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()  # the admission (checked) and the first chunk
+    [seq] = engine.scheduler.running
+    table = seq.pages
+    table.check(engine.runner.kv, seq.num_computed)
+    engine.runner.kv.v[0][table.resident[9]].mul_(2)
+    with pytest.raises(AssertionError, match="differs from host page"):
+        table.check(engine.runner.kv, seq.num_computed)
+
+
+def test_the_admission_check_refuses_a_windowed_reuse_off_a_chunk_boundary(tiny, monkeypatch):
+    """Reusing every matched page (the behaviour before the chunk-boundary rule) fails the admission check."""
+    from engine.kv.window import Tiering
+
+    monkeypatch.setattr(Tiering, "reuse_depth", lambda self, pages: pages)
+    base = _tokens(330, seed=19)  # 5 pages: 320 tokens, neither a chunk boundary nor within the sink's reach
+    engine = _stepped(tiny, "fp32")
+    _run(engine, base + _tokens(600, seed=20))
+    with pytest.raises(AssertionError, match="off a chunk boundary"):
+        _run(engine, base + _tokens(600, seed=21))
