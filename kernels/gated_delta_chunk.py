@@ -206,7 +206,7 @@ def chunk_launch_params(dk: int, dv: int) -> dict:
     registers on sm_80: no margin.)"""
     block_k, halves = scan_tiles(dk)
     return {"prepare_k": min(32, max(16, triton.next_power_of_2(dk))),
-            "prepare_v": min(32, max(16, triton.next_power_of_2(dv))), "prepare_warps": 4,
+            "prepare_v": min(32, max(16, triton.next_power_of_2(dv))), "prepare_warps": 8,
             "block_k": block_k, "halves": halves, "state_v": 16, "state_warps": 8,
             "out_v": min(64, max(16, triton.next_power_of_2(dv))), "out_warps": 4, "stages": 1}
 
