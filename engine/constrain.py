@@ -159,6 +159,67 @@ class RepeatedCallStop:
         return False
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ThinkingBudget:
+    """Ends a sequence's reasoning after ``budget`` tokens: once that many tokens were written inside the
+    ``<think>`` block (which the prompt opened, ``in_reasoning``, or the model opens first thing), the tokens of
+    ``</think>`` are forced one per step and the answer follows. ``inner``: the output grammar, which starts
+    after ``</think>`` (Constraint.start_after), or None. Used as a Constraint (fresh, apply, accept, finished)."""
+
+    def __init__(self, tokenizer, budget: int, in_reasoning: bool, inner: Constraint | None = None):
+        self._tokenizer = tokenizer
+        self.budget = budget
+        self._in_reasoning = in_reasoning
+        self.inner = inner
+        self._close = tokenizer.encode(THINK_CLOSE)
+        self._detok = tokenizer.detokenizer(skip_special_tokens=False)
+        self._tail = ""  # the latest text, where <think> or </think> shows
+        self._state = "thinking" if in_reasoning else "before"  # then "forcing", then "done"
+        self.used = 0  # reasoning tokens so far
+        self._forced = 0  # tokens of </think> forced so far
+
+    def fresh(self) -> ThinkingBudget:
+        return ThinkingBudget(self._tokenizer, self.budget, self._in_reasoning,
+                              self.inner.fresh() if self.inner is not None else None)
+
+    @property
+    def finished(self) -> bool:
+        return self.inner is not None and self.inner.finished
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._state == "forcing":
+            forced = torch.full_like(logits, float("-inf"))
+            forced[..., self._close[self._forced]] = 0.0
+            return forced
+        return self.inner.apply(logits) if self.inner is not None else logits
+
+    def accept(self, token_id: int) -> None:
+        if self.inner is not None:
+            self.inner.accept(token_id)
+        if self._state == "done":
+            return
+        if self._state == "forcing":
+            self._forced += 1
+            self._state = "done" if self._forced == len(self._close) else "forcing"
+            return
+        self._tail = (self._tail + self._detok.add([int(token_id)]))[-4 * len(THINK_CLOSE):]
+        if self._state == "before":
+            head = self._tail.lstrip()
+            if THINK_OPEN in head:
+                self._state, self._tail = "thinking", head.split(THINK_OPEN, 1)[1]
+            elif head and not THINK_OPEN.startswith(head):
+                self._state = "done"  # the answer starts without reasoning
+            return
+        if THINK_CLOSE in self._tail:
+            self._state = "done"
+            return
+        self.used += 1
+        if self.used >= self.budget:
+            self._state = "forcing"
+
+
 def grammar_constraint(tokenizer, grammar: str, description: str, start_after: int | None = None) -> Constraint:
     """A constraint from an llguidance grammar (see LLMatcher.grammar_from_*); UnsupportedSchema when invalid."""
     from llguidance import LLMatcher

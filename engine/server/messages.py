@@ -14,6 +14,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
+from engine.constrain import ThinkingBudget
 from engine.server.chat import SSE_HEADERS, output_constraint, render
 from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
@@ -231,6 +232,17 @@ def thinking_effort(thinking: dict | None) -> str | None:
     return _THINKING_EFFORT[kind]
 
 
+def thinking_budget(thinking: dict | None) -> int | None:
+    """thinking.budget_tokens of an `enabled` thinking: the most reasoning tokens before the answer must start."""
+    if thinking is None or thinking.get("type") != "enabled" or thinking.get("budget_tokens") is None:
+        return None
+    budget = thinking["budget_tokens"]
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= INT32_MAX:
+        raise _bad(f"thinking.budget_tokens must be a whole number from 1 to {INT32_MAX}: the most tokens the "
+                   f"model may think before it answers.", "thinking.budget_tokens")
+    return budget
+
+
 def to_chat_request(req: MessagesRequest, served: str) -> tuple[ChatCompletionRequest, list[str]]:
     tools, omitted = to_chat_tools(req.tools)
     tool_choice, parallel = to_chat_tool_choice(req.tool_choice)
@@ -268,11 +280,14 @@ async def messages(req: MessagesRequest, state: ServerState, request=None):
     if req.max_tokens is None:
         raise _bad("max_tokens is required: the most tokens the answer may have (it is capped to the room left "
                    "in the context).", "max_tokens")
+    budget = thinking_budget(req.thinking)
     chat, omitted, prompt, in_reasoning = await asyncio.to_thread(prepare, state, req, served)
     params = sampling_params(chat, state, len(prompt), loaded.context_window)
     params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)
-    streams = submit(state, prompt, params, 1)
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
+    if budget is not None and reasoning and budget < params.max_tokens:  # the model's reasoning ends by then
+        params.constraint = ThinkingBudget(loaded.tokenizer, budget, in_reasoning, params.constraint)
+    streams = submit(state, prompt, params, 1)
     choice = Choice(0, loaded.tokenizer, chat.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
                     tool_names=tool_names_for(chat.tools, chat.tool_choice))
     hide = (req.thinking or {}).get("display") == "omitted"
