@@ -212,6 +212,27 @@ def _error(exc) -> dict:
     return exc.body["error"]
 
 
+PNG = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+
+
+def test_an_image_in_a_tool_result_is_refused_as_one_in_a_user_turn(client):
+    """A text-only model reads no image, wherever it is: both are a 400 naming the block, not a silent drop."""
+    errors = []
+    for content in ([{"type": "text", "text": "Look:"}, PNG],
+                    [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "Look:"},
+                                                                                    PNG]}]):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model="scripted", max_tokens=8, tools=[WEATHER], messages=[
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                                   "input": {"city": "Paris"}}]},
+                {"role": "user", "content": content}])
+        errors.append(_error(e.value)["message"])
+    assert "messages[2].content[1] is an image block" in errors[0]
+    assert "messages[2].content[0].content[1] is an image block" in errors[1]
+    assert all("no vision" in m and "Send the content as text" in m for m in errors)
+
+
 def test_request_errors_have_anthropic_shape(client):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model="scripted", max_tokens=8, messages=[{"role": "user", "content": [
