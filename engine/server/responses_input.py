@@ -29,6 +29,7 @@ class Offered:
     kind: str  # "function", "custom" or "local_shell"
     name: str  # the tool's own name
     namespace: str | None = None
+    lark: bool = False  # a custom tool whose input follows a lark grammar (shown to the model, not enforced)
 
 
 @dataclass
@@ -84,6 +85,11 @@ def _custom_function(t: dict, where: str) -> dict:
             "parameters": {"type": "object", "properties": {"input": text_schema}, "required": ["input"]}}
 
 
+def _lark(t: dict) -> bool:
+    fmt = t.get("format") if isinstance(t.get("format"), dict) else {}
+    return fmt.get("type") == "grammar" and fmt.get("syntax", "lark") != "regex"
+
+
 def _function(t: dict) -> dict:
     return {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
 
@@ -103,7 +109,7 @@ def read_tools(tools: list[dict] | None) -> ResponseTools:
         if kind == "function":
             offer(_function(t), Offered("function", t.get("name")), where)
         elif kind == "custom":
-            offer(_custom_function(t, where), Offered("custom", t.get("name")), where)
+            offer(_custom_function(t, where), Offered("custom", t.get("name"), lark=_lark(t)), where)
         elif kind == LOCAL_SHELL:
             offer({"name": LOCAL_SHELL, "description": "Runs a command on the user's computer and returns its "
                    "output.", "parameters": _LOCAL_SHELL_PARAMS}, Offered(LOCAL_SHELL, LOCAL_SHELL), where)
@@ -123,7 +129,7 @@ def read_tools(tools: list[dict] | None) -> ResponseTools:
                 fn["name"] = joined(ns, sub["name"])
                 if note:
                     fn["description"] = f"{fn.get('description', '')} ({ns}: {note})".strip()
-                offer(fn, Offered(sub_kind, sub["name"], ns), f"{where}.tools[{j}]")
+                offer(fn, Offered(sub_kind, sub["name"], ns, lark=_lark(sub)), f"{where}.tools[{j}]")
         elif isinstance(kind, str):
             out.omitted.append(kind)
         else:
@@ -137,7 +143,13 @@ def read_tool_choice(choice: Any, tools: ResponseTools) -> Any:
         return choice
     kind = choice.get("type")
     if kind in ("function", "custom") and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": tools.model_name(choice["name"], choice.get("namespace"))}}
+        name = tools.model_name(choice["name"], choice.get("namespace"))
+        if tools.offered.get(name, Offered("function", name)).lark:
+            raise APIError(400, f"tool_choice forces the custom tool {shown(choice['name'])}, whose input follows a "
+                                f"lark grammar: a forced call's input cannot be held to a lark grammar here. Use "
+                                f"tool_choice \"auto\" (the grammar is shown to the model), or give the tool a regex "
+                                f"format, which a forced call does follow.", param="tool_choice")
+        return {"type": "function", "function": {"name": name}}
     if kind == LOCAL_SHELL:
         return {"type": "function", "function": {"name": LOCAL_SHELL}}
     if kind == "allowed_tools":

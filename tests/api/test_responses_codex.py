@@ -209,3 +209,19 @@ def test_malformed_tools_and_calls_are_400s_not_crashes(scripted):
         ]:
             r = c.post("/v1/responses", json={"model": "scripted", "input": "x", **body})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_forcing_a_custom_tool_with_a_lark_grammar_is_a_clear_400(client, scripted):
+    """A forced call's input cannot be held to a lark grammar: refused, never a call that may break the grammar."""
+    scripted.engine.prompts.clear()
+    for choice, tools in (({"type": "custom", "name": "apply_patch"}, [CUSTOM]),
+                          ({"type": "custom", "name": "apply_patch", "namespace": "fs"},
+                           [{"type": "namespace", "name": "fs", "tools": [CUSTOM]}])):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="scripted", input="Patch it.", tools=tools, tool_choice=choice)
+        assert e.value.body["param"] == "tool_choice"
+        assert "lark grammar" in e.value.body["message"] and "regex" in e.value.body["message"]
+    assert not scripted.engine.prompts
+    scripted.engine.script = "Done."
+    assert client.responses.create(model="scripted", input="Patch it.", tools=[CUSTOM],
+                                   tool_choice="auto").status == "completed"  # offered, the grammar shown
