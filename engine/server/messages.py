@@ -20,6 +20,7 @@ from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages_reply import MessageReply
 from engine.server.parsers import tool_names_for
+from engine.server.schemacheck import schema_problems
 from engine.server.schemas import (INT32_MAX, MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, Int,
                                    TokenCount, _Open)
 from engine.server.state import ServerState
@@ -201,6 +202,9 @@ def to_chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[str
             omitted.append(str(t.get("name") or kind))
             continue
         fn = {"name": t.get("name"), "parameters": t.get("input_schema") or {"type": "object"}}
+        problems = schema_problems(fn["parameters"], f"tools[{i}].input_schema")
+        if problems:
+            raise _bad("Invalid tools: " + "; ".join(problems) + ".", "tools")
         if t.get("description") is not None:
             fn["description"] = t["description"]
         out.append({"type": "function", "function": fn})

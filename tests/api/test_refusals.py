@@ -122,6 +122,12 @@ def test_a_malformed_tool_schema_is_refused_even_when_no_call_is_forced(client, 
     assert where in openai_error(client.post("/v1/chat/completions", json=body), "tools")
 
 
+def test_a_malformed_input_schema_is_named_as_the_messages_api_calls_it(client):
+    r = client.post("/v1/messages", json={"model": "scripted", "max_tokens": 8, "messages": HELLO, "tools": [
+        {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "town"}}}}]})
+    assert r.status_code == 400 and "tools[0].input_schema.properties.city.type" in r.json()["error"]["message"]
+
+
 def test_well_formed_tool_schemas_still_pass(client):
     schema = {"type": "object", "$defs": {"unit": {"enum": ["C", "F"]}}, "additionalProperties": False,
               "properties": {"city": {"type": ["string", "null"], "minLength": 1, "description": "City"},
