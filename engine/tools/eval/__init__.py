@@ -1,0 +1,12 @@
+"""``ninfer-eval`` (``python -m engine.tools.eval``): the checks to run before trusting a configuration.
+
+    cli.py       the command: subcommands, engine settings (as ninfer-serve takes them) or --url, the results file
+    target.py    what is evaluated: the in-process engine built from settings (logits of every position captured),
+                 or any OpenAI-compatible server (target.RemoteTarget)
+    results.py   the resumable JSONL results file: one line per finished item, skipped when a run resumes
+    kld.py       KL divergence, top-1 agreement and perplexity against a reference configuration
+    needle.py    pass-key needles over a grid of context lengths x depths, several seeds each
+    heatmap.py   the needle grid as a PNG (standard library only)
+
+Imports run one way: cli.py imports the checks, which import target.py and results.py (or nothing of this package).
+See docs/EVAL.md."""

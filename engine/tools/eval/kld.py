@@ -1,0 +1,205 @@
+"""``ninfer-eval kld``: how far a configuration's next-token distributions are from a reference configuration's.
+
+The text (resources/eval/harbour.txt unless --text) is cut into segments of --ctx tokens; each segment runs through
+both engines as one prompt, and at every position but the last the full-vocabulary distributions are compared:
+KL(reference || candidate) in nats, whether both put the same token first (top-1 agreement), and each one's
+negative log-likelihood of the text's actual next token (perplexity = exp of its mean). Every position of a segment
+is scored (a segment's early positions see little context, as in any chunked perplexity). One line per segment goes
+to the results file, with the per-position KL values, so mean and percentiles cover the whole text when resumed."""
+from __future__ import annotations
+
+import hashlib
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import NInferError
+from engine.tools.eval.results import ResultsFile, config_key
+
+TEXT = Path(__file__).resolve().parents[3] / "resources" / "eval" / "harbour.txt"
+
+# The reference: the weights as the file decodes them, in fp32; fp32 KV; the whole context; nothing approximated.
+REFERENCE = dict(weight_dtype="fp32", kv_dtype="fp32", kv_window=0, kv_retrieve=0, kv_ring="auto", host_kv_mib=0,
+                 allow_lossy_window=False, gdn_state_fp16=False, spec="none", draft_model=None, draft_tokens=0,
+                 lm_head_draft=False, prefill_cublas=False, kv_reuse_hostbacked=False)
+# Both sides compute every position: a prompt prefix served from a cache would skip rows.
+NO_PREFIX_REUSE = dict(max_shared_prefixes=0, kv_reuse_hostbacked=False)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--text", type=Path, default=None, help="UTF-8 text file to score (default: the bundled "
+                   "resources/eval/harbour.txt, about 2,900 tokens)")
+    p.add_argument("--ctx", type=int, default=1024, help="tokens per segment (default 1024)")
+    p.add_argument("--max-segments", type=int, default=0, help="score at most this many segments (0: all)")
+    p.add_argument("--ref", default="", metavar="FLAGS",
+                   help="ninfer-serve flags changing the reference, quoted as one argument (default: the same "
+                        "model with fp32 weights, fp32 KV, no window), e.g. --ref '--weight-dtype bf16' or "
+                        "--ref 'path/to/original-model'")
+    p.add_argument("--ref-logits", type=Path, default=None, metavar="DIR",
+                   help="keep the reference's logits in this folder (fp32, one file per segment) and reuse them: "
+                        "later candidates against the same reference and text skip the reference run")
+
+
+def reference_overrides(ref_flags: str) -> tuple[str | None, dict[str, Any]]:
+    """The reference's model (None: the candidate's) and REFERENCE with the settings given in --ref applied."""
+    from engine.config import ConfigError, load_settings
+    from engine.engine_config import EngineConfig
+
+    overrides, model = dict(REFERENCE), None
+    if ref_flags.strip():
+        try:
+            ref, _ = load_settings(shlex.split(ref_flags), env={})
+        except ConfigError as e:
+            raise NInferError(f"--ref: {e}", "Give --ref the ninfer-serve flags of the reference, in one quoted "
+                              "argument, e.g. --ref '--weight-dtype bf16'.") from None
+        given = {n for n, src in ref.sources.items() if src.startswith(("flag:", "arg:"))}
+        overrides.update({n: getattr(ref, n) for n in given if n in EngineConfig.__dataclass_fields__})
+        model = ref.model if "model" in given else None
+    return model, overrides
+
+
+def segments(ids: list[int], prefix: list[int], ctx: int, limit: int = 0) -> list[list[int]]:
+    """The text's tokens in segments of ``ctx`` (the special-token prefix, e.g. BOS, starting each); a last
+    segment shorter than half of ``ctx`` is dropped."""
+    body = ctx - len(prefix)
+    out = [prefix + ids[i:i + body] for i in range(0, len(ids), body) if len(ids[i:i + body]) * 2 >= body]
+    return out[:limit] if limit else out
+
+
+def compare(ref_logits: torch.Tensor, cand_logits: torch.Tensor, ids: list[int], block: int = 128) -> dict[str, Any]:
+    """Per-segment sums over positions 0..n-2 (each predicting the next token), and the per-position KL values;
+    in float64, ``block`` positions at a time (the full vocabulary of every position is compared)."""
+    n = len(ids) - 1
+    kl: list[float] = []
+    same = 0
+    nll_ref = nll_cand = 0.0
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        ref = torch.log_softmax(ref_logits[a:b].double(), dim=-1)
+        cand = torch.log_softmax(cand_logits[a:b].double(), dim=-1)
+        kl += (ref.exp() * (ref - cand)).sum(-1).tolist()
+        same += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+        nxt = torch.tensor(ids[a + 1:b + 1]).unsqueeze(1)
+        nll_ref -= float(ref.gather(1, nxt).sum())
+        nll_cand -= float(cand.gather(1, nxt).sum())
+    return {"positions": n, "kl": kl, "top1_same": same, "nll_ref": nll_ref, "nll_cand": nll_cand}
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
+    s = sorted(values)
+    if not s:
+        return math.nan
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarise(rows: list[dict]) -> dict[str, Any]:
+    kl = [v for r in rows for v in r["kl"]]
+    n = sum(r["positions"] for r in rows)
+    if not n:
+        return {"positions": 0}
+    return {"segments": len(rows), "positions": n, "kld_mean": sum(kl) / n, "kld_p99": percentile(kl, 99),
+            "kld_p999": percentile(kl, 99.9), "kld_max": max(kl),
+            "top1_agreement": sum(r["top1_same"] for r in rows) / n,
+            "ppl_ref": math.exp(sum(r["nll_ref"] for r in rows) / n),
+            "ppl": math.exp(sum(r["nll_cand"] for r in rows) / n)}
+
+
+def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, Any]:
+    """Scores the candidate (``settings``) against the reference; returns the summary (also for resumed items).
+    Engines are built only when a segment is left to score."""
+    from engine.model.loader import resolve_model_path
+    from engine.tokenizer import Tokenizer
+    from engine.tools.eval.target import ENGINE_KEYS, EngineTarget
+
+    if args.ctx < 16:
+        raise NInferError(f"--ctx {args.ctx} is too short to score.", "Use --ctx 16 or more (e.g. 1024).")
+    path = Path(args.text) if args.text else TEXT
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise NInferError(f"Cannot read the text {path}: {e}.", "Give --text a UTF-8 text file.") from None
+    ref_model, ref_over = reference_overrides(args.ref)
+    model_path = resolve_model_path(settings.model)
+    tok = Tokenizer.from_path(model_path)
+    ids = tok.encode(text, add_special_tokens=False)
+    segs = segments(ids, tok.encode("", add_special_tokens=True), args.ctx, args.max_segments)
+    if not segs:
+        raise NInferError(f"{path} has {len(ids)} tokens, under half a segment of {args.ctx}.",
+                          "Give a longer --text or a smaller --ctx.")
+    text_hash = hashlib.sha256(text.encode()).hexdigest()
+    ref_path = resolve_model_path(ref_model) if ref_model else model_path
+    ref_key = config_key({"model": str(ref_path), "device": settings.device, "reference": ref_over,
+                          "text": text_hash, "ctx": args.ctx})
+    key = config_key({"candidate": {k: getattr(settings, k) for k in ENGINE_KEYS}, "reference": ref_key})
+    results = ResultsFile(results_path, "kld", key)
+    todo = [i for i in range(len(segs)) if f"segment-{i}" not in results.done]
+    info: dict[str, Any] = {"candidate": None, "text": path.name, "tokens": len(ids), "ctx": args.ctx, "key": key,
+                            "resumed": len(segs) - len(todo)}
+    if todo:
+        candidate = EngineTarget(settings, NO_PREFIX_REUSE)
+        reference = None
+        try:
+            info["candidate"] = candidate.describe()
+            for i in progress(todo, desc="kld", unit="segment"):
+                ref_logits = _cached(args.ref_logits, ref_key, i)
+                if ref_logits is None:
+                    reference = reference or EngineTarget(settings, {**ref_over, **NO_PREFIX_REUSE}, model=ref_path)
+                    ref_logits = reference.logits(segs[i])
+                    _store(args.ref_logits, ref_key, i, ref_logits)
+                results.add(f"segment-{i}", compare(ref_logits, candidate.logits(segs[i]), segs[i]))
+        finally:
+            candidate.close()
+            if reference is not None:
+                reference.close()
+    rows = [results.done[f"segment-{i}"] for i in range(len(segs))]
+    return {**info, **summarise(rows)}
+
+
+def _cache_file(folder: Path, ref_key: str, i: int) -> Path:
+    return Path(folder) / f"reference-{ref_key}-segment-{i}.pt"
+
+
+def _cached(folder: Path | None, ref_key: str, i: int) -> torch.Tensor | None:
+    if folder is None or not _cache_file(folder, ref_key, i).is_file():
+        return None
+    try:
+        return torch.load(_cache_file(folder, ref_key, i), weights_only=True)
+    except Exception:  # a file cut short: computed again
+        return None
+
+
+def _store(folder: Path | None, ref_key: str, i: int, logits: torch.Tensor) -> None:
+    if folder is None:
+        return
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        tmp = _cache_file(folder, ref_key, i).with_suffix(".part")
+        torch.save(logits.contiguous(), tmp)
+        tmp.replace(_cache_file(folder, ref_key, i))
+    except OSError as e:
+        raise NInferError(f"Cannot write the reference logits to {folder}: {e}.",
+                          "Give --ref-logits a writable folder (about 200 MB per 1024-token segment of a "
+                          "50K vocabulary), or drop it.") from None
+
+
+def format_table(summary: dict[str, Any], command: str) -> str:
+    c = summary["candidate"]
+    lines = [f"ninfer-eval kld: {command}"]
+    if c:
+        lines.append(f"  candidate: {c['weights']} weights, {c['kv']} KV, window {c['window']} ({c['model']}, "
+                     f"{c['device']})")
+    lines += [f"  text: {summary['text']}, {summary['tokens']} tokens in {summary['segments']} segments of up to "
+              f"{summary['ctx']}; {summary['positions']} positions scored"
+              + (f" ({summary['resumed']} segments from the results file)" if summary["resumed"] else ""), "",
+              "| KLD mean | KLD p99 | KLD p99.9 | KLD max | top-1 agreement | PPL | PPL reference |",
+              "|---|---|---|---|---|---|---|",
+              f"| {summary['kld_mean']:.6f} | {summary['kld_p99']:.6f} | {summary['kld_p999']:.6f} | "
+              f"{summary['kld_max']:.6f} | {100 * summary['top1_agreement']:.2f}% | {summary['ppl']:.4f} | "
+              f"{summary['ppl_ref']:.4f} |"]
+    return "\n".join(lines)

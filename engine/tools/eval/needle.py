@@ -1,0 +1,125 @@
+"""``ninfer-eval needle``: pass-key retrieval over a grid of context lengths x depths, several seeds each.
+
+A prompt of about L tokens repeats a filler passage; at depth d (0 = the start, 1 = the end) it hides "The pass key
+is NNNNN. Remember it. NNNNN is the pass key." and ends with "What is the pass key? The pass key is". The item
+passes when the greedy continuation (raw completion, no chat template) contains the key. Each seed draws another
+key. A configuration that cannot attend to the middle of a long prompt (a KV window without retrieval) fails the
+middle depths; one that sees everything passes wherever the model itself can retrieve."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from engine.errors import NInferError
+from engine.tools.eval.results import ResultsFile, config_key
+
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize "
+         "it. I will quiz you about it.\n\n")
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+CHARS_PER_TOKEN = 4.0  # the length estimate for a server (--url), whose tokenizer is not known here
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--lengths", type=_ints, default=[512, 1024, 2048], metavar="L1,L2,...",
+                   help="prompt lengths in tokens (default 512,1024,2048)")
+    p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], metavar="D1,D2,...",
+                   help="where the needle sits, 0 = start of the filler, 1 = its end (default 0,0.25,0.5,0.75,1)")
+    p.add_argument("--seeds", type=int, default=3, help="prompts (pass keys) per cell (default 3)")
+    p.add_argument("--png", type=Path, default=None, metavar="FILE.png",
+                   help="write the heatmap here (default: next to --results, with .png; none without --results)")
+
+
+def build_prompt(length: int, depth: float, key: int, count_tokens) -> str:
+    """About ``length`` tokens (by ``count_tokens``) with the needle after ``depth`` of the filler sentences."""
+    sentences = [s + "." for s in FILLER.strip().rstrip(".").split(". ")]
+    fixed = count_tokens(INTRO + NEEDLE.format(key=key) + QUESTION)
+    per = count_tokens(FILLER) / len(sentences)
+    n = max(1, round((length - fixed) / per))
+    filler = [sentences[i % len(sentences)] for i in range(n)]
+    at = round(depth * n)
+    return (INTRO + " ".join(filler[:at]) + (" " if at else "") + NEEDLE.format(key=key)
+            + " ".join(filler[at:]) + QUESTION)
+
+
+def pass_key(length: int, depth: float, seed: int) -> int:
+    return random.Random(f"needle-{seed}-{length}-{depth}").randint(10000, 99999)
+
+
+def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, Any]:
+    from engine.tools.eval.target import ENGINE_KEYS, EngineTarget, RemoteTarget
+
+    if args.seeds < 1 or not args.lengths or not args.depths or any(not 0 <= d <= 1 for d in args.depths) \
+            or any(n < 64 for n in args.lengths):
+        raise NInferError("The needle grid needs --seeds >= 1, lengths of at least 64 tokens and depths from 0 to 1.",
+                          "Fix --lengths, --depths or --seeds (e.g. --lengths 512,1024 --depths 0,0.5,1 --seeds 3).")
+    where = {"url": args.url, "model": settings.model_id} if args.url \
+        else {k: getattr(settings, k) for k in ENGINE_KEYS}
+    key = config_key({"target": where, "prompt": [INTRO, FILLER, NEEDLE, QUESTION]})
+    results = ResultsFile(results_path, "needle", key)
+    items = [(n, d, s) for n in args.lengths for d in args.depths for s in range(args.seeds)]
+    todo = [it for it in items if _id(*it) not in results.done]
+    info: dict[str, Any] = {"key": key, "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
+                            "resumed": len(items) - len(todo), "target": None}
+    if todo:
+        target = RemoteTarget(args.url, settings.api_key, (settings.model_id or [None])[0]) if args.url \
+            else EngineTarget(settings)
+        try:
+            info["target"] = target.describe()
+            count = target.count_tokens if not args.url else (lambda text: round(len(text) / CHARS_PER_TOKEN))
+            limit = getattr(target, "context_window", None)
+            if limit is not None and max(args.lengths) + 16 > limit:
+                raise NInferError(f"--lengths {max(args.lengths)} does not fit this configuration's context of "
+                                  f"{limit} tokens (with 16 for the answer).",
+                                  "Lower --lengths, or raise --max-context (and --kv-capacity if it is set).")
+            for n, d, s in progress(todo, desc="needle", unit="prompt"):
+                secret = pass_key(n, d, s)
+                prompt = build_prompt(n, d, secret, count)
+                answer = target.complete(prompt, 12)
+                results.add(_id(n, d, s), {"length": n, "depth": d, "seed": s, "tokens": count(prompt),
+                                           "passed": str(secret) in answer, "answer": answer[:80]})
+        finally:
+            target.close()
+    rows = [results.done[_id(*it)] for it in items]
+    grid = {(n, d): [r["passed"] for r in rows if r["length"] == n and r["depth"] == d]
+            for n in args.lengths for d in args.depths}
+    summary = {**info, "passed": sum(r["passed"] for r in rows), "items": len(rows),
+               "cells": [{"length": n, "depth": d, "passed": sum(v), "total": len(v)} for (n, d), v in grid.items()]}
+    png = args.png or (Path(results_path).with_suffix(".png") if results_path else None)
+    if png:
+        from engine.tools.eval.heatmap import write_heatmap
+
+        write_heatmap(png, args.lengths, args.depths, {c: sum(v) / len(v) for c, v in grid.items()})
+        summary["png"] = str(png)
+    return summary
+
+
+def _id(length: int, depth: float, seed: int) -> str:
+    return f"L{length}-d{depth:g}-s{seed}"
+
+
+def format_table(summary: dict[str, Any], command: str) -> str:
+    lengths, depths = summary["lengths"], summary["depths"]
+    cells = {(c["length"], c["depth"]): c for c in summary["cells"]}
+    lines = [f"ninfer-eval needle: {command}"]
+    if summary["target"]:
+        lines.append("  target: " + ", ".join(f"{k} {v}" for k, v in summary["target"].items()))
+    lines += [f"  passed {summary['passed']} of {summary['items']} prompts"
+              + (f" ({summary['resumed']} from the results file)" if summary["resumed"] else "")
+              + (f"; heatmap: {summary['png']}" if summary.get("png") else ""), "",
+              "| depth \\ tokens | " + " | ".join(str(n) for n in lengths) + " |",
+              "|---" * (len(lengths) + 1) + "|"]
+    for d in depths:
+        lines.append(f"| {d:g} | " + " | ".join(f"{cells[(n, d)]['passed']}/{cells[(n, d)]['total']}"
+                                                for n in lengths) + " |")
+    return "\n".join(lines)
