@@ -23,7 +23,7 @@ LABELS = {
     "insecure_no_auth": "Allow the network without a key", "cors_origins": "Allowed web origins (CORS)",
     "max_queue": "Waiting requests (max)", "max_body_mib": "Largest request (MiB)", "log_level": "Log level",
     "device": "Device", "weight_dtype": "Weight format", "max_context": "Context length (tokens)",
-    "gdn_state_fp16": "Gated-DeltaNet state in FP16", "kv_capacity": "KV cache size (tokens)",
+    "gdn_state_fp16": "Gated-DeltaNet state in FP16", "allow_lossy_format": "Allow a format that fails the self-check", "kv_capacity": "KV cache size (tokens)",
     "kv_headroom_mib": "GPU memory kept free (MiB)", "kv_dtype": "KV cache format",
     "host_kv_mib": "Host KV memory (MiB)", "max_shared_prefixes": "Shared prefixes kept",
     "kv_window": "KV window (tokens)", "kv_retrieve": "KV pages retrieved (tokens)", "kv_ring": "Windowed conversations",

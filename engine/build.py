@@ -12,6 +12,7 @@ from typing import Any
 import psutil
 import torch
 
+from engine import selfcheck
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.hardware import resolve_device
@@ -127,6 +128,7 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     options = {"state_fp16": True} if c.gdn_state_fp16 else {}
     net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto", **options)
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
+    selfcheck.run(weights, net, fmt, kdtype, tokenizer, allow=c.allow_lossy_format)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights
     if c.max_context > cfg.max_position:

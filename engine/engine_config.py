@@ -29,6 +29,7 @@ class EngineConfig:
     prefill_cublas: bool = _default("prefill_cublas")
     cuda_graphs: str = _default("cuda_graphs")  # auto | on | off
     gdn_state_fp16: bool = _default("gdn_state_fp16")
+    allow_lossy_format: bool = _default("allow_lossy_format")
     # how much it holds
     max_context: int = _default("max_context")  # 0: the model's (build_engine resolves it before the Engine runs)
     kv_capacity: int | str = _default("kv_capacity")  # tokens, or auto (from the ledger)

@@ -170,6 +170,8 @@ SETTINGS: tuple[Setting, ...] = (
            default_means="low-bit GGUF weights (Q4_0/Q4_1 -> int4, Q8_0 -> int8, TQ2_0 -> ternary) as stored, others dense"),
         _s("max_context", int, 0, "Longest conversation (prompt plus reply) in tokens; 0 uses the model's own context length.",
            minimum=0, default_means="the model's own context length"),
+        _s("allow_lossy_format", bool, False, "Load a weight or KV format even when the load-time self-check finds it "
+           "breaks the model (its predictions on a fixed text disagree with the file's own weights)."),
         _s("gdn_state_fp16", bool, False, "Keep the Gated-DeltaNet recurrent state in fp16 to save memory (it is "
            "computed in fp32; hybrid models only)."),
     ),
