@@ -121,6 +121,8 @@ def test_usage_errors_name_the_problem(tiny, capsys):
     assert cli.main(["needle", "--url", "http://127.0.0.1:9", "--kv-dtype", "k8v4"]) == 2
     err = capsys.readouterr().err
     assert "kv_dtype" in err and "--url" in err
+    assert cli.main(["kld", "--url", "http://127.0.0.1:9"]) == 2
+    assert "in process only" in capsys.readouterr().err
     assert cli.main(["kld", str(folder), "--text", str(text), "--ctx", "8"]) == 1
     assert "--ctx" in capsys.readouterr().err
 

@@ -52,6 +52,10 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Any]:
     from engine.config import ConfigError, load_settings
 
     args, rest = build_parser().parse_known_args(argv)
+    if args.check in IN_PROCESS_ONLY and any(a == "--url" or a.startswith("--url=") for a in rest):
+        raise NInferError(f"ninfer-eval: {args.check} compares full-vocabulary logits and runs in process only; "
+                          f"--url is not available for it.", "Drop --url and give the engine settings instead "
+                          "(ninfer-serve's flags).")
     try:
         settings, warnings = load_settings(rest)
     except ConfigError as e:
