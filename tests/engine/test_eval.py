@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import NInferError
-from engine.tools.eval import cli, kld, needle
+from engine.tools.eval import cli, count, needle
 from engine.tools.eval.results import ResultsFile
 from tests.engine.helpers import add_tokenizer, tiny_hf_model
 
@@ -130,7 +129,7 @@ def test_usage_errors_name_the_problem(tiny, capsys):
 # ---------------------------------------------------------------- needle
 
 def test_needle_prompt_hides_the_key_at_its_depth():
-    words = lambda text: len(text.split())  # noqa: E731 - a stand-in tokenizer
+    words = lambda text: len(text.split())  # a stand-in tokenizer
     for depth in (0.0, 0.5, 1.0):
         prompt = needle.build_prompt(600, depth, 12345, words)
         assert abs(words(prompt) - 600) < 20
@@ -192,6 +191,43 @@ def test_needle_refuses_a_grid_beyond_the_context(monkeypatch, capsys):
     monkeypatch.setattr(target, "EngineTarget", Short)
     assert cli.main(["needle", "--lengths", "512", "--no-progress"]) == 1
     assert "--max-context" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- count
+
+class _CountsOnlyTheEnd(_SeesOnlyTheEnd):
+    """Counts the asked word in the last 1,500 characters of the list: right only when it sees all of it."""
+
+    def complete(self, prompt, max_tokens):
+        type(self).calls += 1
+        body, question = prompt.rsplit("\n\n", 1)
+        word = question.split('"')[1]
+        return f" {body[-self.visible:].replace(',', ' ').replace('.', ' ').split().count(word)}."
+
+
+def test_count_prompt_spreads_the_word_over_the_whole_list():
+    words = lambda text: len(text.split())  # a stand-in tokenizer
+    prompt, word, k = count.build_prompt(800, 1, words)
+    body = prompt[len(count.INTRO):prompt.rindex("\n\n")].rstrip(".").split(", ")
+    where = [i for i, w in enumerate(body) if w == word]
+    assert len(where) == k >= 2 and abs(words(prompt) - 800) < 40
+    for i, at in enumerate(where):  # one in each k-th part of the list
+        assert i * len(body) / k - 1 <= at < (i + 1) * len(body) / k + 1
+    assert count.first_number(" 7, I think") == 7 and count.first_number(" five.") == 5
+    assert count.first_number(" I do not know") is None
+
+
+def test_count_fails_where_only_the_end_is_seen(tmp_path, monkeypatch, capsys):
+    from engine.tools.eval import target
+    monkeypatch.setattr(target, "EngineTarget", _CountsOnlyTheEnd)
+    results = tmp_path / "count.jsonl"
+    args = ["count", "--lengths", "200,2000", "--seeds", "4", "--no-progress", "--results", str(results)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "| 200 | 4/4 | 0 | 0 |" in out  # all of it is seen
+    assert "| 2000 | 0/4 | 4 | 0 |" in out  # only the end: too few, every time
+    calls = _CountsOnlyTheEnd.calls
+    assert cli.main(args) == 0 and _CountsOnlyTheEnd.calls == calls  # resumed: nothing run again
 
 
 NEEDLE_ARGS = ["needle", "--lengths", "512", "--depths", "0.5", "--seeds", "2", "--no-progress",

@@ -6,7 +6,9 @@
     results.py   the resumable JSONL results file: one line per finished item, skipped when a run resumes
     kld.py       KL divergence, top-1 agreement and perplexity against a reference configuration
     needle.py    pass-key needles over a grid of context lengths x depths, several seeds each
+    count.py     counting a word spread over the whole prompt
     heatmap.py   the needle grid as a PNG (standard library only)
 
-Imports run one way: cli.py imports the checks, which import target.py and results.py (or nothing of this package).
+Imports run one way: cli.py imports the checks, which import target.py, results.py and heatmap.py (or nothing of
+this package).
 See docs/EVAL.md."""

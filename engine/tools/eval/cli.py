@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import NInferError
-from engine.tools.eval import kld, needle
+from engine.tools.eval import count, kld, needle
 
-CHECKS = {"kld": kld, "needle": needle}
+CHECKS = {"kld": kld, "needle": needle, "count": count}
 IN_PROCESS_ONLY = {"kld"}
 # ninfer-serve settings that mean something with --url: how to reach the server's model
 URL_SETTINGS = {"api_key", "model_id"}
@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         "give them after the check, e.g. ninfer-eval kld --kv-dtype k8v4."))
     sub = p.add_subparsers(dest="check", metavar="CHECK", required=True, parser_class=_Parser)
     helps = {"kld": "KL divergence, top-1 agreement and perplexity against a reference configuration (in process)",
-             "needle": "pass-key retrieval over a grid of context lengths x depths; a table and a heatmap PNG"}
+             "needle": "pass-key retrieval over a grid of context lengths x depths; a table and a heatmap PNG",
+             "count": "count a word's occurrences spread over the whole prompt (needs every part of the context)"}
     for name, module in CHECKS.items():
         s = sub.add_parser(name, help=helps[name], description=helps[name] + ". Any other option is a "
                            "ninfer-serve setting (ninfer-serve --help).", allow_abbrev=False)

@@ -22,11 +22,12 @@ from engine.tools.eval.results import ResultsFile, config_key
 TEXT = Path(__file__).resolve().parents[3] / "resources" / "eval" / "harbour.txt"
 
 # The reference: the weights as the file decodes them, in fp32; fp32 KV; the whole context; nothing approximated.
-REFERENCE = dict(weight_dtype="fp32", kv_dtype="fp32", kv_window=0, kv_retrieve=0, kv_ring="auto", host_kv_mib=0,
-                 allow_lossy_window=False, gdn_state_fp16=False, spec="none", draft_model=None, draft_tokens=0,
-                 lm_head_draft=False, prefill_cublas=False, kv_reuse_hostbacked=False)
+REFERENCE = {"weight_dtype": "fp32", "kv_dtype": "fp32", "kv_window": 0, "kv_retrieve": 0, "kv_ring": "auto",
+             "host_kv_mib": 0, "allow_lossy_window": False, "gdn_state_fp16": False, "spec": "none",
+             "draft_model": None, "draft_tokens": 0, "lm_head_draft": False, "prefill_cublas": False,
+             "kv_reuse_hostbacked": False}
 # Both sides compute every position: a prompt prefix served from a cache would skip rows.
-NO_PREFIX_REUSE = dict(max_shared_prefixes=0, kv_reuse_hostbacked=False)
+NO_PREFIX_REUSE = {"max_shared_prefixes": 0, "kv_reuse_hostbacked": False}
 
 
 def add_arguments(p) -> None:
@@ -170,7 +171,7 @@ def _cached(folder: Path | None, ref_key: str, i: int) -> torch.Tensor | None:
         return None
     try:
         return torch.load(_cache_file(folder, ref_key, i), weights_only=True)
-    except Exception:  # a file cut short: computed again
+    except (OSError, RuntimeError, EOFError, ValueError):  # a file cut short: computed again
         return None
 
 
@@ -199,7 +200,7 @@ def format_table(summary: dict[str, Any], command: str) -> str:
               + (f" ({summary['resumed']} segments from the results file)" if summary["resumed"] else ""), "",
               "| KLD mean | KLD p99 | KLD p99.9 | KLD max | top-1 agreement | PPL | PPL reference |",
               "|---|---|---|---|---|---|---|",
-              f"| {summary['kld_mean']:.6f} | {summary['kld_p99']:.6f} | {summary['kld_p999']:.6f} | "
-              f"{summary['kld_max']:.6f} | {100 * summary['top1_agreement']:.2f}% | {summary['ppl']:.4f} | "
-              f"{summary['ppl_ref']:.4f} |"]
+              (f"| {summary['kld_mean']:.6f} | {summary['kld_p99']:.6f} | {summary['kld_p999']:.6f} | "
+               f"{summary['kld_max']:.6f} | {100 * summary['top1_agreement']:.2f}% | {summary['ppl']:.4f} | "
+               f"{summary['ppl_ref']:.4f} |")]
     return "\n".join(lines)
