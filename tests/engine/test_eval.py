@@ -193,6 +193,41 @@ def test_needle_refuses_a_grid_beyond_the_context(monkeypatch, capsys):
     assert "--max-context" in capsys.readouterr().err
 
 
+def _fake_server(seen: list):
+    """An OpenAI-compatible server in an httpx transport: lists one model, and completes a prompt with the pass
+    key when the needle lies in its last 1,500 characters; it wants the key "secret"."""
+    import httpx
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.headers.get("authorization") != "Bearer secret":
+            return httpx.Response(401, json={"error": {"message": "bad key"}})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "served-model"}]})
+        body = json.loads(request.content)
+        seen.append(body)
+        text = _SeesOnlyTheEnd().complete(body["prompt"], body["max_tokens"])
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": text}]})
+    return httpx.MockTransport(handle)
+
+
+def test_needle_through_a_url(tmp_path, monkeypatch, capsys):
+    from engine.tools.eval import target
+    seen: list = []
+    real = target.RemoteTarget
+    monkeypatch.setattr(target, "RemoteTarget", lambda *a, **k: real(*a, **k, transport=_fake_server(seen)))
+    monkeypatch.setenv("NINFER_API_KEY", "secret")
+    assert cli.main(["needle", "--url", "http://server:8000", "--lengths", "256,1024", "--depths", "0,1",
+                     "--seeds", "1", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "| 0 | 1/1 | 0/1 |" in out and "| 1 | 1/1 | 1/1 |" in out
+    assert len(seen) == 4 and {b["model"] for b in seen} == {"served-model"}
+    assert all(b["temperature"] == 0.0 for b in seen)
+    monkeypatch.setenv("NINFER_API_KEY", "wrong")
+    assert cli.main(["needle", "--url", "http://server:8000", "--lengths", "256", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "401" in err and "API key" in err
+
+
 # ---------------------------------------------------------------- count
 
 class _CountsOnlyTheEnd(_SeesOnlyTheEnd):

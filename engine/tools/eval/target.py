@@ -116,14 +116,16 @@ class EngineTarget:
 class RemoteTarget:
     """Any OpenAI-compatible server: greedy /v1/completions (raw text, no chat template)."""
 
-    def __init__(self, url: str, api_key: str | None = None, model: str | None = None, timeout: float = 3600.0):
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None, timeout: float = 3600.0,
+                 transport=None):
+        """``transport``: an httpx transport to use instead of the network (tests)."""
         import httpx
 
         self.url = url.rstrip("/")
         if not self.url.endswith("/v1"):
             self.url += "/v1"
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(headers=headers, timeout=timeout)
+        self.client = httpx.Client(headers=headers, timeout=timeout, transport=transport)
         self.model = model or self._first_model()
 
     def _post(self, path: str, body: dict | None = None) -> dict:
