@@ -3,11 +3,13 @@ state pool: each sequence's conv window and delta-rule state live in its slot (e
 
 Per token: in_proj_qkv -> causal depthwise conv (kernel K, SiLU) -> q, k (L2-normed, q scaled by Dk^-0.5, each key
 head serving HV / HK consecutive value heads), v; beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) in
-float32; the gated delta rule (engine/model/delta_rule.py: chunked over a prompt, recurrent for one token); a gated
+float32; the gated delta rule (kernels.dispatch gdn_chunked over a prompt, gdn_recurrent for the one-token steps
+of many sequences at once, over their state slots; Triton on CUDA, the PyTorch twins elsewhere); a gated
 RMSNorm (plain weight) times silu(z); out_proj. Then the gated MLP, as in the attention layers.
 
 The delta-rule state may be stored in fp16 (--gdn-state-fp16): it is read into fp32, updated in fp32 and rounded
-once per step when stored; the read-out stays fp32 up to the gated norm (an fp16 read-out overflows on long
+when stored (once per step, and at a snapshot's page boundary, so a sequence resumed from the snapshot continues
+exactly as the run that saved it); the read-out stays fp32 up to the gated norm (an fp16 read-out overflows on long
 prompts in other engines)."""
 from __future__ import annotations
 
@@ -15,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.memory.specs import RecurrentSpec, StateTensor
-from engine.model import delta_rule
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import rms_norm, silu_and_mul
 from engine.model.linear import Linear, fuse
+from kernels import dispatch
 
 
 def gdn_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -93,43 +95,40 @@ class GDNLayer:
 
     def _decode(self, qkv, g, beta, state, slots: torch.Tensor) -> torch.Tensor:
         """One token for each of B sequences, read from and written back to their state slots [B]: [B, HV * Dv]."""
-        conv, ssm = state["conv"], state["ssm"]
-        x, window = delta_rule.causal_conv_step(qkv.float(), self.conv, conv.index_select(0, slots))
-        conv.index_copy_(0, slots, window.to(conv.dtype))
+        x = dispatch.causal_conv_update(qkv, self.conv, state["conv"], slots)
         q, k, v = self._heads(x)
-        o, s = delta_rule.step(q, k, v, g, beta, ssm.index_select(0, slots).float())
-        ssm.index_copy_(0, slots, s.to(ssm.dtype))
+        o = dispatch.gdn_recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], state["ssm"], slots)
         return o.reshape(qkv.shape[0], -1)
 
     def _sequence(self, qkv, g, beta, state, slot: int, saves) -> torch.Tensor:
         """One sequence's tokens from its slot's state (written back), saving the state after the tokens `saves`
         names (i, this layer's part of a snapshot: {"conv", "ssm"}); [T, HV * Dv] float32."""
-        conv_state, ssm = state["conv"][slot], state["ssm"][slot].float()
+        conv_state, ssm = state["conv"][slot], state["ssm"]
         outs, start = [], 0
         for end in sorted({i + 1 for i, _ in saves} | {qkv.shape[0]}):
-            x, conv_state = delta_rule.causal_conv(qkv[start:end].float(), self.conv, conv_state)
+            x, conv_state = causal_conv(qkv[start:end].float(), self.conv, conv_state)
             q, k, v = self._heads(x)
-            rule = delta_rule.recurrent if end - start == 1 else delta_rule.chunked
-            o, ssm = rule(q, k, v, g[start:end], beta[start:end], ssm)
-            outs.append(o)
+            outs.append(dispatch.gdn_chunked(q, k, v, g[start:end], beta[start:end], ssm, slot))
             for i, snap in saves:
                 if i + 1 == end:
                     snap["conv"].copy_(conv_state)
-                    snap["ssm"].copy_(ssm)
+                    snap["ssm"].copy_(ssm[slot])
             start = end
         state["conv"][slot].copy_(conv_state)
-        state["ssm"][slot].copy_(ssm)
         return torch.cat(outs).reshape(qkv.shape[0], -1)
 
     def _heads(self, x):
-        """Conv outputs [T, 2 Dk HK + Dv HV] -> q, k [T, HV, Dk] (L2-normed, each key head repeated for its value
-        heads, q scaled by Dk^-0.5) and v [T, HV, Dv]."""
+        """Conv outputs [T, 2 Dk HK + Dv HV] -> q, k [T, HK, Dk] (raw: the rule L2-normalises them and scales q)
+        and v [T, HV, Dv], views."""
         n = self.n
         q, k, v = x.split([n.key_dim, n.key_dim, n.value_dim], dim=-1)
-        rep = n.num_v_heads // n.num_k_heads
-        q, k = (_l2norm(t.reshape(-1, n.num_k_heads, n.head_k_dim)).repeat_interleave(rep, dim=1) for t in (q, k))
-        return q * n.head_k_dim ** -0.5, k, v.reshape(-1, n.num_v_heads, n.head_v_dim)
+        return (q.unflatten(-1, (n.num_k_heads, n.head_k_dim)), k.unflatten(-1, (n.num_k_heads, n.head_k_dim)),
+                v.unflatten(-1, (n.num_v_heads, n.head_v_dim)))
 
 
-def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal convolution then SiLU over a run of one sequence's tokens: x [T, C], weight [C, K], state
+    [C, K - 1] (the previous inputs, oldest first). Returns [T, C] and the new state."""
+    ext = torch.cat((state.to(x.dtype), x.t()), dim=1)  # [C, K - 1 + T]
+    out = F.conv1d(ext[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0]  # [C, T]
+    return F.silu(out.t().contiguous()), ext[:, ext.shape[1] - state.shape[1]:]

@@ -106,7 +106,8 @@ def environment(device: torch.device) -> dict:
 def kernel_tests(device: torch.device, out: Path) -> dict:
     env = dict(os.environ, NINFER_TEST_DEVICE=device.type, HF_HUB_OFFLINE="1")
     files = ["tests/kernels/test_quant.py", "tests/kernels/test_qlinear.py", "tests/kernels/test_elementwise.py",
-             "tests/kernels/test_paged_attention.py", "tests/kernels/test_paged_attention_quant.py"]
+             "tests/kernels/test_paged_attention.py", "tests/kernels/test_paged_attention_quant.py",
+             "tests/kernels/test_gated_delta.py"]
     t0 = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files],
                          env=env, capture_output=True, text=True)
