@@ -221,7 +221,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     *_group(
         "sampling",
-        _s("default_max_tokens", int, 4096, "Longest reply in tokens when a request does not set max_tokens.", minimum=1),
+        _s("default_max_tokens", int, 4096, "Longest reply in tokens when a request does not set max_tokens.", minimum=1,
+           maximum=2**31 - 1),
         _s("default_reasoning_effort", str, "auto", "Reasoning effort used when a request does not set one; auto lets the model decide.",
            choices=("auto", "none", "low", "medium", "high")),
         _s("mode", str, "chat", "Sampling preset for requests: chat is more varied, agent is more deterministic for tool use.",
@@ -231,7 +232,7 @@ SETTINGS: tuple[Setting, ...] = (
         _s("top_p", float, None, "Default nucleus-sampling probability (above 0, up to 1); unset uses the mode's value.",
            nullable=True, minimum=0.0, maximum=1.0, exclusive_minimum=True, default_means="from --mode"),
         _s("top_k", int, None, "Default number of most likely tokens sampled from (0 turns it off); unset uses the mode's value.",
-           nullable=True, minimum=0, default_means="from --mode"),
+           nullable=True, minimum=0, maximum=2**31 - 1, default_means="from --mode"),
         _s("min_p", float, None, "Default minimum token probability relative to the most likely token (0 to 1); unset means 0.",
            nullable=True, minimum=0.0, maximum=1.0, default_means="0"),
         _s("presence_penalty", float, None, "Default penalty (-2 to 2) for tokens already present; unset uses the mode's value.",

@@ -200,10 +200,10 @@ def test_bad_int_in_env():
     (["--prefill-chunk", "8"], "at least 16"),
     (["--kv-capacity", "10"], "at least 64 or auto"),
     (["--max-concurrency", "257"], "from 1 to 256"),
-    (["--default-max-tokens", "0"], "at least 1"),
+    (["--default-max-tokens", "0"], "from 1 to 2147483647"),
     (["--temperature", "2.5"], "from 0.0 to 2.0"),
     (["--top-p", "0"], "above 0.0 up to 1.0"),
-    (["--top-k", "-1"], "at least 0"),
+    (["--top-k", "-1"], "from 0 to 2147483647"),
     (["--min-p", "1.5"], "from 0.0 to 1.0"),
     (["--presence-penalty", "-3"], "from -2.0 to 2.0"),
     (["--frequency-penalty", "nan"], "finite"),
@@ -498,6 +498,15 @@ def test_huge_integer_for_a_float_setting_is_a_problem_not_a_crash():
         settings_from_mapping({"temperature": 10**400}, "app")
     assert "temperature" in str(e.value)
 
+
+
+@pytest.mark.parametrize("name", ["top_k", "default_max_tokens"])
+def test_token_counts_beyond_int32_are_refused_at_startup(name):
+    """The settings PUT caps them at 2**31 - 1 (docs/API.md); the command line, environment and files do too."""
+    problems = problems_of([f"--{name.replace('_', '-')}", str(10**30)])
+    assert len(problems) == 1 and "must be from" in problems[0] and "2147483647" in problems[0]
+    settings, _ = load_settings([f"--{name.replace('_', '-')}", str(2**31 - 1)], {})
+    assert getattr(settings, name) == 2**31 - 1
 
 # ---------------------------------------------------------------- KV window / host tier / ring combinations
 
