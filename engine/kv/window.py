@@ -17,7 +17,8 @@ and Quest selection takes every query row of the step into account), so a token'
 computed in. Prefill chunks of a windowed sequence therefore always start at multiples of the prefill chunk
 (engine/scheduler.py), and prefix reuse is exact: a table records how far its KV is what a cold prefill of the same
 tokens computes (``exact``: complete aligned chunks, and steps that attend to the whole context), only those pages go
-to the host prefix store, and a sequence starts from a reused prefix only at a chunk boundary (``reuse_depth``).
+to the host prefix store, and a sequence starts from a reused prefix only at a chunk boundary, or where a step
+still attends to the whole context (``reuse_depth``).
 
 Prefix reuse: a windowed sequence whose prompt starts with cached full pages starts from them (``preload``): pages
 cached on the GPU (engine/kv/prefix.py) are copied to its host pages (with their Quest summaries), pages in the host
@@ -96,7 +97,7 @@ class TieredPages(list):
         if from_gpu:
             gpu.copy_pages([s for s, _ in from_gpu], [d for _, d in from_gpu])
         copy_to_gpu(self.host, gpu, [s for s, _ in from_host], [d for _, d in from_host])
-        self.exact = k * ps  # reused at a chunk boundary, from pages that were exact where they came from
+        self.exact = k * ps  # reused at a depth reuse_depth allows, from pages exact where they came from
         return k * ps
 
     # ---- the page-table interface (engine.kv.table.PageTable) ---------------------------------------------------

@@ -17,8 +17,8 @@ in the GPU prefix cache, continued in the host prefix store) starts from those p
 TieredPages.preload); when it ends, its written-through host pages go to the host prefix store, which exists
 whenever tiers and prefix reuse are on (--kv-reuse-hostbacked also backs GPU cache evictions). Windowed sequences
 neither share GPU pages nor leave tails: their GPU pages are a ring, rewritten. A windowed sequence reuses a prefix
-only as deep as a chunk boundary of a cold prefill (Tiering.reuse_depth): what a windowed step computes depends on
-where it starts.
+only as deep as its steps then compute what a cold prefill's steps compute (Tiering.reuse_depth): what a windowed
+step computes depends on where it starts.
 
 `check_admissions` (tests): after every admission, the prefix cache's and the windowed table's invariants are
 asserted (PrefixCache.check, TieredPages.check).
@@ -134,8 +134,8 @@ class AttentionMemory:
 
     def _windowed_prefix(self, seq, limit: Limit | None) -> tuple[list, list[int]]:
         """The GPU prefix-cache entries and host prefix-store pages a windowed sequence starts from: its longest
-        cached prefix, cut back to a chunk boundary of a cold prefill (Tiering.reuse_depth) and, for recurrent
-        layers, to a depth with a state snapshot."""
+        cached prefix, cut back to a depth where its steps compute what a cold prefill's compute
+        (Tiering.reuse_depth) and, for recurrent layers, to a depth with a state snapshot."""
         if self.prefix is None or self.kv is None:
             return [], []
         hits = self.prefix.match(seq.tokens)
@@ -144,7 +144,7 @@ class AttentionMemory:
             cap = self.prefix.reusable_tokens(len(seq.tokens)) // self.pool.page_size
             stored = self.host_prefix.match(seq.tokens, len(hits), hits[-1].key if hits else b"", cap)
         depth = self.tiers.reuse_depth(len(hits) + len(stored))
-        while limit is not None and depth:  # as deep as a snapshot, at a chunk boundary
+        while limit is not None and depth:  # as deep as a snapshot, at a depth reuse_depth allows
             usable = self.tiers.reuse_depth(limit([e.key for e in hits[:depth]]))
             if usable == depth:
                 break
@@ -153,7 +153,7 @@ class AttentionMemory:
 
     def check(self, seq) -> None:
         """Asserts the invariants of the prefix cache and of the sequence's windowed table (for tests): a windowed
-        sequence starts at a chunk boundary, from a prefix that is exact."""
+        sequence starts where the reuse rule allows (computed anew here), from a prefix that is exact."""
         if self.prefix is not None:
             self.prefix.check()
         if seq.pages.windowed:
