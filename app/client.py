@@ -233,6 +233,7 @@ def read_metrics(text: str, server: str = "") -> MetricsReading:
             "prefix_cached_pages": _first(m, "ninfer_prefix_cached_pages"),
             "host_pages_used": _first(m, "ninfer_kv_host_pages_used"),
             "host_pages_free": _first(m, "ninfer_kv_host_pages_free"),
+            "select_outside": _first(m, "ninfer_kv_select_outside_mass_now"),
             "retrieved_pps": _rate(server + "ninfer_retrieved", _first(m, "ninfer_kv_retrieved_pages_total",
                                                                              "ninfer_kv_retrieved_pages")),
             "spec_drafted": drafted, "spec_accepted": accepted,

@@ -49,11 +49,13 @@ def local_values(s: dict, rates: Rates, now: float) -> dict:
               "pages_used": s.get("pages_used"), "pages_free": s.get("pages_free"), "running": s.get("running"),
               "waiting": s.get("waiting"), "ttft_p50": ttft, "requests": s.get("http_requests_total"),
               "prefix_hit_ratio": s.get("prefix_hit_ratio"), "prefix_cached_pages": s.get("prefix_cached_pages"),
-              "host_pages_used": None, "host_pages_free": None, "retrieved_pages": None, "retrieved_pps": None}
+              "host_pages_used": None, "host_pages_free": None, "retrieved_pages": None, "retrieved_pps": None,
+              "select_outside": None}
     host_used, host_free = s.get("kv_host_pages_used"), s.get("kv_host_pages_free")
     if _is_num(host_used, host_free) and host_used + host_free > 0:  # the engine runs a host tier
         values.update(host_pages_used=host_used, host_pages_free=host_free,
-                      retrieved_pages=s.get("kv_retrieved_pages"), retrieved_pps=rates.retrieved_rate(s, now))
+                      retrieved_pages=s.get("kv_retrieved_pages"), retrieved_pps=rates.retrieved_rate(s, now),
+                      select_outside=s.get("kv_select_outside_mass_now"))
     for key in ("spec_method", "spec_drafted", "spec_accepted", "spec_acceptance", "spec_mean_accepted"):
         values[key] = s.get(key)
     return values
@@ -92,6 +94,9 @@ def cards(v: dict, available: bool = True, vram_note: str = "", vram_name: str =
         kv_details.append(f"host {host_used:,.0f} / {host_used + host_free:,.0f} pages")
     if _is_num(v.get("retrieved_pps")):
         kv_details.append(f"retrieved {v['retrieved_pps']:.1f} pages/s")
+    if _is_num(v.get("select_outside")) and v["select_outside"] > 0:
+        # the share of attention mass (Quest's bound) left on pages retrieval did not bring back: retrieval straining
+        kv_details.append(f"retrieval leaves {100 * v['select_outside']:.0f}% of attention out")
     if _is_num(used, free):
         out["kv"] = Card(f"{used:,.0f} / {used + free:,.0f}", " · ".join(kv_details))
     else:

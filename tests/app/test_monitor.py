@@ -54,6 +54,13 @@ def test_host_pages_and_retrieved_pages_per_second():
     assert v["host_pages_used"] == 5 and v["host_pages_free"] == 59
     c = cards(v)
     assert c["kv"].detail == "GPU pages used / total · host 5 / 64 pages · retrieved 15.0 pages/s"
+    # retrieval straining: the share of attention mass on pages it left on the host, from the engine and /metrics
+    strained = cards(local_values({**BASE, **TIER, "kv_retrieved_pages": 40, "kv_select_outside_mass_now": 0.23},
+                                  rates, now=103.0))
+    assert strained["kv"].detail.endswith("retrieval leaves 23% of attention out")
+    remote = read_metrics("ninfer_engine_attached 1\nninfer_kv_pages_used 2\nninfer_kv_pages_free 6\n"
+                          "ninfer_kv_select_outside_mass_now 0.07\n")
+    assert "retrieval leaves 7% of attention out" in cards(remote.values)["kv"].detail
 
 
 def test_remote_metrics_prefix_and_acceptance():
