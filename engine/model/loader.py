@@ -13,6 +13,9 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if model in (None, ""):
         from engine.model.default import default_model_path
         return default_model_path()
+    if isinstance(model, str) and model.startswith("hf:"):  # hf:ORG/REPO[:QUANT]: engine/library/resolve.py
+        from engine.library.resolve import resolve_hf
+        return resolve_hf(model)
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"Model not found: {path}.",

@@ -1,0 +1,156 @@
+"""Downloads into the hub cache from the stand-in hub: progress, resume after a cut, the published sha256,
+cancellation, a full disk, and the hf: resolver (online and offline)."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import threading
+from pathlib import Path
+
+import pytest
+
+from engine.library import download as dl, hub as libhub
+from engine.library.resolve import cached_files, parse_spec, resolve_hf
+
+REPO = "test-org/Tiny-Llama-GGUF"
+
+
+def _file(quant: str = "Q4_K_M") -> libhub.HubFile:
+    return next(f for f in libhub.list_files(REPO) if f.quant == quant)
+
+
+def _loadable_files(hf_home: Path) -> list[Path]:
+    """What the library (and any tool reading the hub cache) would load: GGUF files under snapshots/."""
+    return [p for p in (hf_home / "hub").rglob("*.gguf") if p.exists()]
+
+
+def _leftovers(hf_home: Path) -> list[Path]:
+    return [p for p in (hf_home / "hub").rglob("*") if p.is_file() and "blobs" in p.parts]
+
+
+def test_download_lands_in_the_hub_cache_with_progress(tiny_repo, hf_home):
+    seen = []
+    path = dl.download(_file(), on_progress=seen.append)
+    assert path.read_bytes() == tiny_repo.files["Tiny-Llama-Q4_K_M.gguf"]
+    assert path.is_relative_to(hf_home / "hub" / "models--test-org--Tiny-Llama-GGUF" / "snapshots")
+    assert seen[-1].done == seen[-1].total == len(tiny_repo.files["Tiny-Llama-Q4_K_M.gguf"])
+    assert all(p.rate >= 0 for p in seen) and seen[-1].fraction == 1.0
+    # other tools find it where they look: huggingface_hub's own cache scan
+    from huggingface_hub import scan_cache_dir
+
+    repos = {r.repo_id: r for r in scan_cache_dir(hf_home / "hub").repos}
+    assert REPO in repos and repos[REPO].size_on_disk == path.stat().st_size
+
+
+def test_a_second_download_reuses_the_cached_file(tiny_repo, hub):
+    f = _file()
+    first = dl.download(f)
+    gets = len([r for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]])
+    assert dl.download(f) == first
+    assert len([r for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]]) == gets  # no second transfer
+
+
+def test_a_download_cut_halfway_resumes_and_verifies(tiny_repo, hub, monkeypatch):
+    monkeypatch.setattr("huggingface_hub.file_download.time.sleep", lambda s: None)
+    monkeypatch.setattr("huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE", 64 * 1024)  # bytes reach disk per chunk
+    name = "Tiny-Llama-Q8_0.gguf"
+    hub.cut.add(name)
+    path = dl.download(_file("Q8_0"))
+    data = tiny_repo.files[name]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == tiny_repo.sha(name)
+    ranges = [r[2] for r in hub.requests if r[0] == "GET" and r[1].endswith(name)]
+    # the first transfer was cut; the second asked only for the rest
+    assert ranges[0] == "" and ranges[1].startswith("bytes=") and ranges[1] != "bytes=0-"
+    resumed_at = int(ranges[1][6:].split("-")[0])
+    assert 0 < resumed_at < len(data)
+
+
+def test_a_wrong_hash_is_refused_and_the_file_is_not_used(tiny_repo, hf_home):
+    name = "Tiny-Llama-Q4_K_M.gguf"
+    tiny_repo.published[name] = "ab" * 32  # the hub publishes a hash the bytes do not have
+    with pytest.raises(dl.HashMismatch, match="sha256") as e:
+        dl.download(_file())
+    assert "removed" in e.value.problem and "again" in e.value.remedy
+    assert _loadable_files(hf_home) == [] and _leftovers(hf_home) == []
+
+
+def test_cancel_leaves_no_file_the_library_would_load(tiny_repo, hf_home, monkeypatch):
+    cancel = threading.Event()
+
+    def progress(p):
+        if p.done < p.total:
+            cancel.set()  # cancel from the progress callback, as the app's button would between two chunks
+
+    monkeypatch.setattr("huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE", 4096)
+    with pytest.raises(dl.DownloadCancelled, match="cancelled"):
+        dl.download(_file(), on_progress=progress, cancel=cancel)
+    assert _loadable_files(hf_home) == [] and _leftovers(hf_home) == []
+    assert dl.cached_path(_file()) is None
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing_behind(tiny_repo, hf_home, monkeypatch):
+    real_open = Path.open
+
+    class FullDisk:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            if self.written + len(data) > 100_000:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def patched(self, mode="r", *args, **kwargs):
+        f = real_open(self, mode, *args, **kwargs)
+        return FullDisk(f) if "w" in mode and self.name.endswith(".incomplete") else f
+
+    monkeypatch.setattr(Path, "open", patched)
+    with pytest.raises(libhub.LibraryError, match="full") as e:
+        dl.download(_file())
+    assert "HF_HOME" in e.value.remedy and "Free space" in e.value.remedy
+    assert _loadable_files(hf_home) == [] and _leftovers(hf_home) == []
+
+
+def test_hf_spec_resolves_downloads_then_works_offline(tiny_repo, hf_home, monkeypatch):
+    path = resolve_hf(f"hf:{REPO}:Q8_0")
+    assert path.name == "Tiny-Llama-Q8_0.gguf" and path.read_bytes() == tiny_repo.files[path.name]
+    assert resolve_hf(f"hf:{REPO}").name == "Tiny-Llama-Q4_K_M.gguf"  # no quant named: the usual one
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_hf(f"hf:{REPO}:Q8_0") == path
+    assert {p.name for p in cached_files(REPO)} == {"Tiny-Llama-Q8_0.gguf", "Tiny-Llama-Q4_K_M.gguf"}
+
+
+def test_hf_spec_offline_and_not_cached_is_a_clear_error(hf_home, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(libhub.OfflineError, match="not in the model cache") as e:
+        resolve_hf(f"hf:{REPO}:Q4_K_M")
+    assert "HF_HUB_OFFLINE" in e.value.problem and "network" in e.value.remedy
+
+
+def test_the_loader_accepts_hf_specs(tiny_repo, hf_home, monkeypatch):
+    from engine.model.loader import resolve_model_path
+
+    path = resolve_model_path(f"hf:{REPO}:Q4_K_M")
+    assert path.is_file() and path.name == "Tiny-Llama-Q4_K_M.gguf"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(libhub.OfflineError, match="Q8_0 is not in the model cache"):
+        resolve_model_path(f"hf:{REPO}:Q8_0")
+
+
+def test_unknown_quant_and_bad_spec_name_what_to_do(tiny_repo):
+    with pytest.raises(libhub.LibraryError, match="no single-file Q2_K") as e:
+        resolve_hf(f"hf:{REPO}:Q2_K")
+    assert "Q4_K_M" in e.value.remedy and "Q8_0" in e.value.remedy and "mmproj" not in e.value.remedy
+    with pytest.raises(libhub.LibraryError, match="not a hub model reference"):
+        parse_spec("hf:justaname")
+    assert parse_spec("hf:org/repo:q4_k_m") == ("org/repo", "Q4_K_M")
