@@ -104,6 +104,10 @@ def _array(f: BinaryIO) -> tuple[list | None, int]:
     if itype in _SCALARS and not keep:  # skip fixed-size items at once
         _read(f, n * struct.calcsize(_SCALARS[itype]))
         return None, n
+    if itype == _STRING and not keep:  # skip the tokenizer's strings without decoding them
+        for _ in range(n):
+            f.seek(_unpack(f, "<Q"), 1)
+        return None, n
     for _ in range(n):
         if itype == _ARRAY:
             _array(f)

@@ -1,0 +1,150 @@
+"""Models already on disk: the GGUF files in the Hugging Face cache, in LM Studio's and Ollama's model stores, and in
+folders the user adds, each with architecture, parameters, quant, context length and size read from its header
+(no tensor data read). Ollama keeps GGUF files as content-addressed blobs named by its manifests."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from engine.library.header import HeaderInvalid, read_local_header
+
+HF, LMSTUDIO, OLLAMA, FOLDER = "huggingface", "lmstudio", "ollama", "folder"
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    source: str  # huggingface, lmstudio, ollama, folder
+    name: str  # ORG/REPO/file.gguf, publisher/repo/file.gguf, or model:tag for Ollama
+    path: Path
+    size: int
+    architecture: str = ""
+    quant: str = ""
+    parameters: int = 0
+    context_length: int = 0
+    supported: bool = False
+    problem: str = ""  # why the header could not be read, "" when it was
+
+    @property
+    def model_arg(self) -> str:
+        """What to pass as the model: the hf: reference for the hub cache, the file's path otherwise."""
+        if self.source == HF:
+            repo = "/".join(self.name.split("/")[:2])
+            return f"hf:{repo}:{self.quant}" if self.quant else str(self.path)
+        return str(self.path)
+
+
+def lmstudio_dirs() -> list[Path]:
+    home = Path.home()
+    return [home / ".lmstudio" / "models", home / ".cache" / "lm-studio" / "models"]
+
+
+def ollama_dir() -> Path:
+    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models")
+
+
+def _quant(header, filename: str) -> str:
+    from engine.library.hub import quant_of
+
+    ftype = header.get("general.file_type")
+    if ftype is not None:
+        from gguf import LlamaFileType
+
+        try:
+            return LlamaFileType(int(ftype)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            pass
+    return quant_of(filename)
+
+
+def describe(path: Path, source: str, name: str) -> LocalModel:
+    """A LocalModel from the file's header; an unreadable header is kept, with the reason."""
+    from engine.library.fit import supported_architectures
+    from engine.library.hub import quant_of
+
+    size = path.stat().st_size
+    try:
+        h = read_local_header(path)
+    except (OSError, HeaderInvalid) as e:
+        return LocalModel(source, name, path, size, quant=quant_of(path.name),
+                          problem=f"the GGUF header cannot be read ({e}); the file may be damaged or not a GGUF file")
+    arch = h.architecture
+    ctx = int(h.get(f"{arch}.context_length", 0) or 0)
+    return LocalModel(source, name, path, size, arch, _quant(h, path.name), sum(t.n_elements for t in h.tensors),
+                      ctx, arch in supported_architectures() and not h.get(f"{arch}.expert_count"))
+
+
+def hf_cache_models(cache: Path | None = None) -> list[LocalModel]:
+    """The GGUF files of every model repository in the hub cache (each blob once, from its newest revision)."""
+    from huggingface_hub import scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    from engine.library.download import cache_dir
+
+    try:
+        info = scan_cache_dir(cache or cache_dir())
+    except CacheNotFound:
+        return []
+    out, seen = [], set()
+    for repo in sorted(info.repos, key=lambda r: r.repo_id):
+        if repo.repo_type != "model":
+            continue
+        for rev in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
+            for f in sorted(rev.files, key=lambda f: f.file_name):
+                if f.file_name.lower().endswith(".gguf") and f.blob_path not in seen:
+                    seen.add(f.blob_path)
+                    out.append(describe(f.file_path, HF, f"{repo.repo_id}/{f.file_name}"))
+    return out
+
+
+def folder_models(root: Path, source: str = FOLDER) -> list[LocalModel]:
+    """Every .gguf under ``root``, named by its path relative to it (LM Studio: publisher/repo/file.gguf)."""
+    if not root.is_dir():
+        return []
+    return [describe(p, source, p.relative_to(root).as_posix()) for p in sorted(root.rglob("*.gguf")) if p.is_file()]
+
+
+def ollama_models(root: Path | None = None) -> list[LocalModel]:
+    """Ollama's models: each manifest (manifests/<registry>/<namespace>/<model>/<tag>) names its model layer's
+    blob (blobs/sha256-<hex>), a GGUF file."""
+    root = root or ollama_dir()
+    manifests = root / "manifests"
+    if not manifests.is_dir():
+        return []
+    out = []
+    for m in sorted(p for p in manifests.rglob("*") if p.is_file()):
+        try:
+            doc = json.loads(m.read_text(encoding="utf-8"))
+            digest = next(layer["digest"] for layer in doc.get("layers", [])
+                          if layer.get("mediaType") == OLLAMA_MODEL_LAYER)
+        except (OSError, ValueError, KeyError, StopIteration, AttributeError, TypeError):
+            continue  # not a model manifest (or damaged): nothing to list
+        blob = root / "blobs" / str(digest).replace(":", "-")
+        if blob.is_file():
+            parts = m.relative_to(manifests).parts
+            namespace, model, tag = parts[-3], parts[-2], parts[-1]
+            name = f"{model}:{tag}" if namespace == "library" else f"{namespace}/{model}:{tag}"
+            out.append(describe(blob, OLLAMA, name))
+    return out
+
+
+def scan(folders: Iterable[Path] = (), *, hf_cache: Path | None = None, lmstudio: Iterable[Path] | None = None,
+         ollama: Path | None = None) -> list[LocalModel]:
+    """Every model on disk: the hub cache, LM Studio's stores, Ollama's store, then ``folders``; a file reached
+    through two sources (a link) is listed once, from the first."""
+    found = hf_cache_models(hf_cache)
+    for d in (lmstudio_dirs() if lmstudio is None else lmstudio):
+        found += folder_models(Path(d), LMSTUDIO)
+    found += ollama_models(ollama)
+    for d in folders:
+        found += folder_models(Path(d).expanduser())
+    out, seen = [], set()
+    for m in found:
+        real = m.path.resolve()
+        if real not in seen:
+            seen.add(real)
+            out.append(m)
+    return out

@@ -1,0 +1,76 @@
+"""Models on disk: the hub cache, LM Studio's and Ollama's stores laid out as those tools lay them out, and added
+folders."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from engine.library import download as dl, hub as libhub, local
+from tests.library.conftest import write_gguf
+
+
+def _ollama_store(root, gguf_bytes: bytes, model: str = "tiny", tag: str = "latest"):
+    digest = hashlib.sha256(gguf_bytes).hexdigest()
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    (root / "blobs" / f"sha256-{digest}").write_bytes(gguf_bytes)
+    config = b'{"model_format":"gguf"}'
+    (root / "blobs" / f"sha256-{hashlib.sha256(config).hexdigest()}").write_bytes(config)
+    manifest = {"schemaVersion": 2, "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+                "config": {"mediaType": "application/vnd.docker.container.image.v1+json",
+                           "digest": f"sha256:{hashlib.sha256(config).hexdigest()}", "size": len(config)},
+                "layers": [{"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{digest}",
+                            "size": len(gguf_bytes)},
+                           {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "0" * 64,
+                            "size": 10}]}
+    folder = root / "manifests" / "registry.ollama.ai" / "library" / model
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / tag).write_text(json.dumps(manifest))
+
+
+def test_every_store_is_found_with_architecture_quant_and_size(tiny_repo, hf_home, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)
+    dl.download(next(f for f in libhub.list_files(tiny_repo.repo_id) if f.quant == "Q8_0"))
+    lms = home / ".lmstudio" / "models" / "lmstudio-community" / "Tiny-GGUF"
+    lms.mkdir(parents=True)
+    write_gguf(lms / "Tiny-Q4_0.gguf", context=4096)
+    _ollama_store(home / ".ollama" / "models", write_gguf(tmp_path / "o.gguf", arch="qwen3", context=8192).read_bytes())
+    added = tmp_path / "mine"
+    added.mkdir()
+    write_gguf(added / "Mamba-F32.gguf", arch="mamba")
+    (added / "broken.gguf").write_bytes(b"not a gguf")
+
+    models = {m.name: m for m in local.scan([added])}
+    hf = models["test-org/Tiny-Llama-GGUF/Tiny-Llama-Q8_0.gguf"]
+    assert (hf.source, hf.architecture, hf.supported, hf.context_length) == ("huggingface", "llama", True, 2048)
+    assert hf.model_arg == "hf:test-org/Tiny-Llama-GGUF:Q8_0" and hf.size == hf.path.stat().st_size
+    lm = models["lmstudio-community/Tiny-GGUF/Tiny-Q4_0.gguf"]
+    assert (lm.source, lm.context_length, lm.model_arg) == ("lmstudio", 4096, str(lm.path))
+    ol = models["tiny:latest"]
+    assert (ol.source, ol.architecture, ol.context_length, ol.supported) == ("ollama", "qwen3", 8192, True)
+    assert ol.path.name.startswith("sha256-") and ol.parameters > 0
+    mamba = models["Mamba-F32.gguf"]
+    assert mamba.architecture == "mamba" and not mamba.supported  # listed, marked, not hidden
+    broken = models["broken.gguf"]
+    assert not broken.supported and "cannot be read" in broken.problem
+
+
+def test_quant_comes_from_the_file_type(tmp_path):
+    import gguf
+
+    path = write_gguf(tmp_path / "no-quant-in-name.gguf")
+    assert local.describe(path, local.FOLDER, path.name).quant == ""
+    w = gguf.GGUFWriter(str(tmp_path / "typed.gguf"), "llama")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert local.describe(tmp_path / "typed.gguf", local.FOLDER, "typed.gguf").quant == "Q4_K_M"
+
+
+def test_no_stores_no_models(hf_home, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "empty"))
+    monkeypatch.delenv("OLLAMA_MODELS", raising=False)
+    assert local.scan() == []
