@@ -15,33 +15,19 @@ from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams
 from engine.spec.ngram import NgramProposer
 from engine.spec.speculator import Speculator
-from tests.engine.helpers import add_tokenizer, collect, rel_err, run_concurrently, wait_idle
+from tests.engine.helpers import collect, rel_err, run_concurrently, wait_idle
+from tests.engine.qwen35_models import VOCAB, perturb, save_for_engine, tiny_config
 
-VOCAB = 256
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
-    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                            linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=False,
-                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-                            bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
-    hf = Qwen3_5ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(("norm.weight", "A_log", "dt_bias")):
-                p.add_(0.3 * torch.randn_like(p))
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    folder = tmp_path_factory.mktemp("qwen35") / "tiny-qwen35"
-    hf.save_pretrained(folder)
-    add_tokenizer(folder, VOCAB)
-    return hf, folder
+    hf = Qwen3_5ForCausalLM(tiny_config()).eval()
+    perturb(hf)
+    return hf, save_for_engine(hf, tmp_path_factory.mktemp("qwen35") / "tiny-qwen35")
 
 
 @pytest.fixture(scope="module")

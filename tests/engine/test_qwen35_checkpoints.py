@@ -18,6 +18,7 @@ from engine.model.hf_folder import load_folder, read_config
 from engine.model.registry import build_model
 from engine.sampling import SamplingParams
 from tests.engine.helpers import add_tokenizer, rel_err
+from tests.engine.qwen35_models import perturb
 from tests.engine.test_qwen35_formats import mtp_tensors, prefill_logits
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -49,10 +50,7 @@ def published(tmp_path_factory):
 
     torch.manual_seed(0)
     built = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=TEXT, vision_config=VISION)).eval()
-    with torch.no_grad():
-        for name, p in built.named_parameters():
-            if name.startswith("model.language_model.") and name.endswith(("norm.weight", "A_log", "dt_bias")):
-                p.add_(0.3 * torch.randn_like(p))
+    perturb(built, prefix="model.language_model.")
     folder = tmp_path_factory.mktemp("qwen35-published") / "tiny-qwen3.5"
     built.save_pretrained(folder)
     raw = json.loads((folder / "config.json").read_text())

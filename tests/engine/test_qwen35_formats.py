@@ -23,6 +23,7 @@ from engine.model.loader import load_weights
 from engine.model.registry import build_model
 from engine.runner import ModelRunner, Work
 from tests.engine.helpers import rel_err
+from tests.engine.qwen35_models import perturb
 from tests.engine.test_qwen35 import VOCAB, checkpoint, hf_logits, tokens  # noqa: F401  (checkpoint: a fixture)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -354,10 +355,7 @@ def qwen3_next(tmp_path_factory):
 
     torch.manual_seed(1)
     hf = Qwen3NextForCausalLM(qwen3_next_config()).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(("norm.weight", "A_log", "dt_bias")):
-                p.add_(0.3 * torch.randn_like(p))
+    perturb(hf)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     folder = tmp_path_factory.mktemp("qwen3next") / "tiny-qwen3-next"

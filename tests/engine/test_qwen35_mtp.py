@@ -14,10 +14,10 @@ from safetensors.torch import load_file
 from engine.build import build_engine
 from engine.errors import ModelLoadError
 from engine.sampling import SamplingParams
-from tests.engine.helpers import add_tokenizer, collect, run_concurrently, wait_idle
+from tests.engine.helpers import collect, run_concurrently, wait_idle
+from tests.engine.qwen35_models import VOCAB, perturb, save_for_engine, tiny_config
 from tests.engine.spec_models import add_tensors
 
-VOCAB = 256
 LAYER_OUT = ("o_proj.weight", "down_proj.weight", "linear_attn.out_proj.weight")  # what each layer adds to the stream
 
 
@@ -26,25 +26,16 @@ def make_checkpoint(root, name: str, layer_scale: float | None = None):
     perturbed norms, A_log and dt_bias) plus one MTP block. layer_scale None: a random block. A number: every
     layer's output projections scaled by it (0: the target predicts from the last token alone, a bigram model),
     and a block that computes that bigram prediction (see mimic_mtp)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
-    cfg = Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
-                            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                            linear_conv_kernel_dim=4, max_position_embeddings=4096, tie_word_embeddings=False,
-                            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-                            bos_token_id=None, eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
-    hf = Qwen3_5ForCausalLM(cfg).eval()
+    hf = Qwen3_5ForCausalLM(tiny_config()).eval()
+    perturb(hf)
     with torch.no_grad():
         for n, p in hf.named_parameters():
-            if n.endswith(("norm.weight", "A_log", "dt_bias")):
-                p.add_(0.3 * torch.randn_like(p))
             if layer_scale is not None and n.endswith(LAYER_OUT):
                 p.mul_(layer_scale)
-    folder = root / name
-    hf.save_pretrained(folder)
-    add_tokenizer(folder, VOCAB)
+    folder = save_for_engine(hf, root / name)
     tensors = load_file(folder / "model.safetensors")
     layer = {n.removeprefix("model.layers.3."): t for n, t in tensors.items() if n.startswith("model.layers.3.")}
     g = torch.Generator().manual_seed(11)
