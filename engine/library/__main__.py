@@ -1,0 +1,5 @@
+import sys
+
+from engine.library.cli import main
+
+sys.exit(main())
