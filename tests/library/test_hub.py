@@ -101,3 +101,20 @@ def test_an_unreachable_hub_is_a_clear_error(hf_home, monkeypatch):
     monkeypatch.setattr("huggingface_hub.utils._http.time.sleep", lambda s: None)  # the client's retry back-off
     with pytest.raises(libhub.OfflineError, match="cannot be reached"):
         libhub.list_files("test-org/Tiny-Llama-GGUF")
+
+
+def test_the_embedded_model_on_the_hub_is_marked_as_the_ledger_marks_the_file(hub):
+    from engine.ledger import ModelShape
+    from engine.model.default import default_model_path
+
+    path = default_model_path()
+    hub.add(Repo("test-org/SmolLM2-135M-Instruct-GGUF", {path.name: path.read_bytes()}))
+    f = libhub.list_files("test-org/SmolLM2-135M-Instruct-GGUF")[0]
+    assert f.quant == "Q4_1"
+    shape = ModelShape.from_path(path)
+    for vram in (0, 400, 2000):
+        remote = fit.mark_hub_file(f, vram_mib=vram, ram_mib=8000)
+        assert remote == fit.mark_shape(shape, vram_mib=vram, ram_mib=8000)
+    assert remote.mark == fit.FITS
+    fetched = sum(1 for r in hub.requests if "/resolve/" in r[1])
+    assert fetched == 3  # one header fetch (a range request) per mark, never the whole file
