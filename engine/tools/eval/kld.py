@@ -135,8 +135,8 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
                           "Give a longer --text or a smaller --ctx.")
     text_hash = hashlib.sha256(text.encode()).hexdigest()
     ref_path = resolve_model_path(ref_model) if ref_model else model_path
-    ref_key = config_key({"model": str(ref_path), "device": settings.device, "reference": ref_over,
-                          "text": text_hash, "ctx": args.ctx})
+    ref_settings = {**{k: getattr(settings, k) for k in ENGINE_KEYS}, **ref_over, "model": str(ref_path)}
+    ref_key = config_key({"reference": ref_settings, "text": text_hash, "ctx": args.ctx})
     key = config_key({"candidate": {k: getattr(settings, k) for k in ENGINE_KEYS}, "reference": ref_key})
     results = ResultsFile(results_path, "kld", key)
     todo = [i for i in range(len(segs)) if f"segment-{i}" not in results.done]
@@ -153,7 +153,12 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
                     reference = reference or EngineTarget(settings, {**ref_over, **NO_PREFIX_REUSE}, model=ref_path)
                     ref_logits = reference.logits(segs[i])
                     _store(args.ref_logits, ref_key, i, ref_logits)
-                results.add(f"segment-{i}", compare(ref_logits, candidate.logits(segs[i]), segs[i]))
+                cand_logits = candidate.logits(segs[i])
+                if cand_logits.shape != ref_logits.shape:
+                    raise NInferError(f"The reference has a vocabulary of {ref_logits.shape[-1]} tokens and the "
+                                      f"candidate {cand_logits.shape[-1]}: their distributions cannot be compared.",
+                                      "Give --ref a model with the candidate's tokenizer.")
+                results.add(f"segment-{i}", compare(ref_logits, cand_logits, segs[i]))
         finally:
             candidate.close()
             if reference is not None:
