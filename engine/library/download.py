@@ -1,8 +1,8 @@
 """Download one GGUF file from the hub into the standard Hugging Face cache (so other tools reuse it and files they
-downloaded are reused here), with progress, cancellation, the published sha256 verified before the file is reported
-usable, and a full disk reported clearly. The hub client writes to a temporary ``*.incomplete`` file and moves it
-into place only when complete, so an interrupted, cancelled or failed download never leaves a file that looks
-loadable; a connection cut mid-file is resumed from where it stopped (HTTP range requests)."""
+downloaded are reused here), with progress (bytes, rate, time left), cancellation, the published sha256 verified
+before the file is reported usable, and a full disk reported clearly. The bytes go to a partial file that only gets
+its final name once complete and verified (engine/library/transfer.py), so a partial or corrupt file never loads,
+and a download stopped by a cancel, a lost connection or a restart continues from where it stopped."""
 from __future__ import annotations
 
 import errno
@@ -43,45 +43,6 @@ def cache_dir() -> Path:
         return Path(os.environ["HF_HUB_CACHE"]).expanduser()
     home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
     return Path(home).expanduser() / "hub"
-
-
-def _progress_class(total: int, on_progress: Callable[[DownloadProgress], None] | None,
-                    cancel: threading.Event | None):
-    """A stand-in for the hub client's progress bar: reports bytes, rate and time left, and stops the transfer
-    (raising DownloadCancelled inside the client, which then deletes its temporary file) when ``cancel`` is set."""
-
-    class _Bar:
-        def __init__(self, *_, total: int | None = None, initial: int = 0, **__):
-            self.total = int(total or 0) or int(_expected)
-            self.n = int(initial or 0)
-            self.start, self.start_n, self.last = time.monotonic(), self.n, 0.0
-
-        def update(self, n: int = 1) -> None:
-            if cancel is not None and cancel.is_set():
-                raise DownloadCancelled("The download was cancelled.", "Start it again to resume.")
-            self.n += n
-            now = time.monotonic()
-            if on_progress is not None and (now - self.last >= 0.1 or self.n >= self.total):
-                self.last = now
-                elapsed = max(now - self.start, 1e-6)
-                rate = max(self.n - self.start_n, 0) / elapsed
-                eta = (self.total - self.n) / rate if rate > 0 and self.total else None
-                on_progress(DownloadProgress(self.n, self.total, rate, eta))
-
-        def close(self) -> None:
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc) -> bool:
-            return False
-
-        def set_description(self, *_, **__) -> None:
-            pass
-
-    _expected = total
-    return _Bar
 
 
 def sha256_of(path: Path, cancel: threading.Event | None = None) -> str:
@@ -132,8 +93,13 @@ def verify(path: Path, sha256: str, cancel: threading.Event | None = None) -> No
         raise HashMismatch(f"{path.name}: the downloaded file's sha256 is {got[:16]}..., the hub publishes "
                            f"{sha256[:16]}...; the file was removed and will not be loaded.",
                            "Download it again; if it fails again, the hub's copy or a proxy in between is at fault.")
+    _record(path, sha256)
+
+
+def _record(path: Path, sha256: str) -> None:
+    """Remembers that this file matched ``sha256``, so it is not hashed again."""
     try:
-        marker = _verified_marker(sha256)  # skip re-hashing a verified file next time
+        marker = _verified_marker(sha256)
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(_stamp(path), encoding="utf-8")
     except OSError:
@@ -147,38 +113,90 @@ def _disk_full(e: OSError, f: HubFile, where: Path) -> LibraryError:
                         "download again.")
 
 
+def _storage(f: HubFile) -> Path:
+    from huggingface_hub.file_download import repo_folder_name
+
+    return cache_dir() / repo_folder_name(repo_id=f.repo_id, repo_type="model")
+
+
 def download(f: HubFile, *, on_progress: Callable[[DownloadProgress], None] | None = None,
              cancel: threading.Event | None = None) -> Path:
-    """Downloads (or finds in the cache) ``f`` and returns its verified local path in the hub cache."""
-    from huggingface_hub import hf_hub_download
-
-    where = cache_dir()
-    kwargs = dict(repo_id=f.repo_id, filename=f.filename, revision=f.revision, cache_dir=str(where))
+    """Downloads (or finds in the cache) ``f`` and returns its verified local path in the hub cache. A download
+    stopped before the end (cancel, a lost connection, a restart) continues from its partial file next time."""
     if offline():
         path = cached_path(f)
         if path is None:
-            raise OfflineError(f"{f.repo_id}/{f.filename} is not in the model cache ({where}) and offline mode is "
+            raise OfflineError(f"{f.repo_id}/{f.filename} is not in the model cache ({cache_dir()}) and offline mode is "
                                f"on (HF_HUB_OFFLINE).", "Unset HF_HUB_OFFLINE and download it once.")
-    else:
-        try:
-            path = Path(hf_hub_download(**kwargs, endpoint=endpoint(),
-                                        tqdm_class=_progress_class(f.size, on_progress, cancel)))
-        except LibraryError:
-            raise
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise _disk_full(e, f, where) from e
-            from engine.library.hub import _hub_error
+        verify(path, f.sha256, cancel)
+        return path
+    from huggingface_hub import get_hf_file_metadata
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
 
-            raise _hub_error(e, f"download {f.repo_id}/{f.filename}") from e
-        except Exception as e:  # the hub client's HTTP errors
-            from engine.library.hub import _hub_error
+    from engine.library import transfer
+    from engine.library.hub import _hub_error, file_url
 
-            raise _hub_error(e, f"download {f.repo_id}/{f.filename}") from e
-    verify(path, f.sha256, cancel)
+    url = file_url(f)
+    try:
+        meta = get_hf_file_metadata(url, endpoint=endpoint())
+    except Exception as e:  # the hub client's HTTP errors, each named by _hub_error
+        raise _hub_error(e, f"download {f.repo_id}/{f.filename}") from e
+    if not meta.etag or not meta.commit_hash:
+        raise LibraryError(f"The hub gave no version for {f.repo_id}/{f.filename}.",
+                           "Try again later; if it persists, check HF_ENDPOINT.")
+    etag, size = meta.etag, int(meta.size or f.size)
+    storage = _storage(f)
+    (storage / "blobs").mkdir(parents=True, exist_ok=True)
+    lock = cache_dir() / ".locks" / storage.name / f"{etag}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    bar = _Rate(size, on_progress)
+    with WeakFileLock(lock):
+        blob = storage / "blobs" / etag
+        partial = None if blob.exists() else blob.with_name(etag + ".incomplete")
+        if partial is not None:
+            try:
+                transfer.transfer(meta.location or url, build_hf_headers(), partial, size, f.sha256, bar.report,
+                                  cancel)
+            except transfer._Cancelled:
+                raise DownloadCancelled(f"The download of {f.filename} was cancelled.",
+                                        "Download it again to continue from where it stopped.") from None
+            except transfer._Mismatch as e:
+                raise HashMismatch(f"{f.filename}: the downloaded file's sha256 is {e.got[:16]}..., the hub publishes "
+                                   f"{f.sha256[:16]}...; the file was removed and will not be loaded.",
+                                   "Download it again; if it fails again, the hub's copy or a proxy in between is "
+                                   "at fault.") from None
+            except OSError as e:
+                if e.errno == errno.ENOSPC:
+                    raise _disk_full(e, f, cache_dir()) from e
+                raise LibraryError(f"Cannot write {f.filename} into {storage}: {e}.",
+                                   "Check that the folder is writable, or point HF_HOME at one that is.") from e
+            except Exception as e:  # the HTTP client's errors, each named by _hub_error
+                raise _hub_error(e, f"download {f.repo_id}/{f.filename}") from e
+        path = transfer.place(storage, etag, meta.commit_hash, f.revision, f.filename, partial)
+        if partial is not None and f.sha256:
+            _record(path, f.sha256)  # transfer() hashed it before giving it its name
+    verify(path, f.sha256, cancel)  # a blob found in the cache (another tool's) is checked too, once
     if on_progress is not None:
-        on_progress(DownloadProgress(f.size, f.size, 0.0, 0.0))
+        on_progress(DownloadProgress(size, size, bar.rate, 0.0))
     return path
+
+
+class _Rate:
+    """Turns (done, total) into DownloadProgress with the rate and time left, at most ten reports a second."""
+
+    def __init__(self, total: int, on_progress: Callable[[DownloadProgress], None] | None):
+        self.total, self.on_progress = total, on_progress
+        self.start, self.first, self.last, self.rate = time.monotonic(), None, 0.0, 0.0
+
+    def report(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if self.first is None:
+            self.first, self.start = done, now  # bytes already there (a resumed download) are not this rate's
+        self.rate = (done - self.first) / max(now - self.start, 1e-6)
+        if self.on_progress is not None and (now - self.last >= 0.1 or done >= total):
+            self.last = now
+            eta = (total - done) / self.rate if self.rate > 0 else None
+            self.on_progress(DownloadProgress(done, total, self.rate, eta))
 
 
 def cached_path(f: HubFile) -> Path | None:

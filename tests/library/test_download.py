@@ -51,8 +51,7 @@ def test_a_second_download_reuses_the_cached_file(tiny_repo, hub):
 
 
 def test_a_download_cut_halfway_resumes_and_verifies(tiny_repo, hub, monkeypatch):
-    monkeypatch.setattr("huggingface_hub.file_download.time.sleep", lambda s: None)
-    monkeypatch.setattr("huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE", 64 * 1024)  # bytes reach disk per chunk
+    monkeypatch.setattr("engine.library.transfer.CHUNK", 64 * 1024)
     name = "Tiny-Llama-Q8_0.gguf"
     hub.cut.add(name)
     path = dl.download(_file("Q8_0"))
@@ -60,9 +59,30 @@ def test_a_download_cut_halfway_resumes_and_verifies(tiny_repo, hub, monkeypatch
     assert hashlib.sha256(path.read_bytes()).hexdigest() == tiny_repo.sha(name)
     ranges = [r[2] for r in hub.requests if r[0] == "GET" and r[1].endswith(name)]
     # the first transfer was cut; the second asked only for the rest
-    assert ranges[0] == "" and ranges[1].startswith("bytes=") and ranges[1] != "bytes=0-"
+    assert len(ranges) == 2 and ranges[0] == "" and ranges[1].startswith("bytes=")
     resumed_at = int(ranges[1][6:].split("-")[0])
     assert 0 < resumed_at < len(data)
+
+
+def test_a_cancelled_download_continues_where_it_stopped_after_a_restart(tiny_repo, hub, hf_home, monkeypatch):
+    monkeypatch.setattr("engine.library.transfer.CHUNK", 64 * 1024)
+    name = "Tiny-Llama-Q8_0.gguf"
+    cancel = threading.Event()
+    with pytest.raises(dl.DownloadCancelled, match="cancelled") as e:
+        dl.download(_file("Q8_0"), on_progress=lambda p: cancel.set(), cancel=cancel)
+    assert "continue" in e.value.remedy
+    partial = [p for p in _leftovers(hf_home) if p.name.endswith(".incomplete")]
+    assert len(partial) == 1 and 0 < partial[0].stat().st_size < len(tiny_repo.files[name])
+    assert _loadable_files(hf_home) == [] and dl.cached_path(_file("Q8_0")) is None
+    kept = partial[0].stat().st_size
+    # a new process: nothing in memory, only the partial file on disk
+    seen = []
+    path = dl.download(_file("Q8_0"), on_progress=seen.append)
+    assert path.read_bytes() == tiny_repo.files[name]
+    ranges = [r[2] for r in hub.requests if r[0] == "GET" and r[1].endswith(name)]
+    assert ranges[-1] == f"bytes={kept}-"
+    assert seen[0].done > kept and seen[-1].done == len(tiny_repo.files[name])
+    assert [p for p in _leftovers(hf_home) if p.name.endswith(".incomplete")] == []
 
 
 def test_a_wrong_hash_is_refused_and_the_file_is_not_used(tiny_repo, hf_home):
@@ -75,17 +95,17 @@ def test_a_wrong_hash_is_refused_and_the_file_is_not_used(tiny_repo, hf_home):
 
 
 def test_cancel_leaves_no_file_the_library_would_load(tiny_repo, hf_home, monkeypatch):
+    monkeypatch.setattr("engine.library.transfer.CHUNK", 4096)
     cancel = threading.Event()
 
     def progress(p):
         if p.done < p.total:
             cancel.set()  # cancel from the progress callback, as the app's button would between two chunks
 
-    monkeypatch.setattr("huggingface_hub.constants.DOWNLOAD_CHUNK_SIZE", 4096)
     with pytest.raises(dl.DownloadCancelled, match="cancelled"):
         dl.download(_file(), on_progress=progress, cancel=cancel)
-    assert _loadable_files(hf_home) == [] and _leftovers(hf_home) == []
-    assert dl.cached_path(_file()) is None
+    assert _loadable_files(hf_home) == [] and dl.cached_path(_file()) is None
+    assert all(p.name.endswith(".incomplete") for p in _leftovers(hf_home))  # only the partial file, to resume
 
 
 def test_a_full_disk_is_a_clear_error_and_leaves_nothing_behind(tiny_repo, hf_home, monkeypatch):
@@ -154,3 +174,14 @@ def test_unknown_quant_and_bad_spec_name_what_to_do(tiny_repo):
     with pytest.raises(libhub.LibraryError, match="not a hub model reference"):
         parse_spec("hf:justaname")
     assert parse_spec("hf:org/repo:q4_k_m") == ("org/repo", "Q4_K_M")
+
+
+def test_a_file_another_tool_downloaded_is_reused_and_checked(tiny_repo, hub, hf_home):
+    from huggingface_hub import hf_hub_download
+
+    theirs = hf_hub_download(REPO, "Tiny-Llama-Q4_K_M.gguf", cache_dir=str(hf_home / "hub"), endpoint=hub.url)
+    gets = len([r for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]])
+    ours = dl.download(_file())
+    assert ours == Path(theirs)
+    assert len([r for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]]) == gets
+    assert dl.is_verified(ours, tiny_repo.sha("Tiny-Llama-Q4_K_M.gguf"))
