@@ -29,7 +29,7 @@ def make_speculator(config: EngineConfig, *, target, runner, tokenizer, target_p
         return Speculator(NgramProposer(), draft_tokens)
     if method == "draft":
         return Speculator(_draft_proposer(target, runner, tokenizer, target_path, config.draft_model, lm_head_draft,
-                                          config.weight_dtype), draft_tokens)
+                                          config.weight_dtype, config.max_concurrency), draft_tokens)
     if method == "mtp":
         spec = find_mtp(mtp_weights or {}, target.cfg)
         if spec is None:
@@ -45,7 +45,7 @@ def make_speculator(config: EngineConfig, *, target, runner, tokenizer, target_p
 
 
 def _draft_proposer(target, runner, tokenizer, target_path: Path, draft_model: str | None, lm_head_draft: bool,
-                    weight_dtype: str):
+                    weight_dtype: str, max_sequences: int):
     if not draft_model:
         raise NInferError("--spec draft needs a draft model.", "Set --draft-model PATH (a GGUF file or model folder "
                                                                "of the same family), or use --spec ngram.")
@@ -56,4 +56,4 @@ def _draft_proposer(target, runner, tokenizer, target_path: Path, draft_model: s
     fmt = weight_format(weight_dtype, weights)
     model = build_model(weights, target.dtype, target.device, fmt)
     kv = pick_kv_dtype("auto", target.device)
-    return DraftModelProposer(model, runner.pool.num_pages, kv, lm_head_draft, runner.page_size)
+    return DraftModelProposer(model, runner.pool.num_pages, kv, lm_head_draft, runner.page_size, max_sequences)
