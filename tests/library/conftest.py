@@ -63,6 +63,7 @@ class Repo:
     files: dict[str, bytes]
     architecture: str = "llama"
     downloads: int = 10
+    gated_token: str = ""  # when set, the repository answers 401 (gated) to requests without this token
     published: dict[str, str] = field(default_factory=dict)  # filename -> sha256 the hub publishes (override)
 
     def sha(self, name: str) -> str:
@@ -105,6 +106,16 @@ def _handler(hub: StandInHub):
             self.send_header("Content-Length", "0")
             self.end_headers()
 
+        def _refused(self, r: Repo) -> bool:
+            if r.gated_token and self.headers.get("Authorization") != f"Bearer {r.gated_token}":
+                self.send_response(401)
+                self.send_header("X-Error-Code", "GatedRepo")
+                self.send_header("X-Error-Message", "Access to this model is restricted.")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return True
+            return False
+
         def _model(self, r: Repo):
             return {"id": r.repo_id, "modelId": r.repo_id, "downloads": r.downloads, "likes": 1, "gated": False,
                     "private": False, "sha": COMMIT, "tags": ["gguf"],
@@ -130,6 +141,8 @@ def _handler(hub: StandInHub):
                     if rest in (repo_id, f"{repo_id}/revision/main"):
                         return self._json(self._model(r))
                     if rest == f"{repo_id}/tree/main":
+                        if self._refused(r):
+                            return None
                         return self._json([{"type": "file", "path": n, "size": 134, "oid": "0" * 40,
                                             "lfs": {"oid": r.sha(n), "size": len(d), "pointerSize": 134}}
                                            for n, d in r.files.items()])
@@ -137,6 +150,8 @@ def _handler(hub: StandInHub):
             for repo_id, r in hub.repos.items():
                 prefix = f"/{repo_id}/resolve/main/"
                 if path.startswith(prefix) and path[len(prefix):] in r.files:
+                    if self._refused(r):
+                        return None
                     return self._file(r, path[len(prefix):], body)
             return self._missing()
 

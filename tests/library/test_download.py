@@ -185,3 +185,16 @@ def test_a_file_another_tool_downloaded_is_reused_and_checked(tiny_repo, hub, hf
     assert ours == Path(theirs)
     assert len([r for r in hub.requests if r[0] == "GET" and "/resolve/" in r[1]]) == gets
     assert dl.is_verified(ours, tiny_repo.sha("Tiny-Llama-Q4_K_M.gguf"))
+
+
+def test_a_gated_repository_asks_for_a_token_and_works_with_one(tiny_repo, hub, monkeypatch, caplog):
+    tiny_repo.gated_token = "hf_secret_for_the_test"
+    monkeypatch.setenv("HF_TOKEN", "hf_not_the_right_one")
+    with pytest.raises(libhub.LibraryError, match="gated") as e:
+        libhub.list_files(REPO)
+    assert "hf auth login" in e.value.remedy and "HF_TOKEN" in e.value.remedy
+    monkeypatch.setenv("HF_TOKEN", tiny_repo.gated_token)
+    with caplog.at_level("DEBUG"):
+        path = resolve_hf(f"hf:{REPO}:Q4_K_M")
+    assert path.read_bytes() == tiny_repo.files["Tiny-Llama-Q4_K_M.gguf"]
+    assert tiny_repo.gated_token not in caplog.text
