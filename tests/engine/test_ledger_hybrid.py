@@ -84,6 +84,24 @@ def test_the_ledger_of_a_folder_counts_what_the_engine_allocates(folders, layout
         loaded.engine.shutdown()
 
 
+
+def test_a_hybrid_draft_model_counts_its_state_slots_as_the_engine_allocates(folders):
+    """--spec draft with a hybrid drafter: the draft line holds its weights plus two state slots per sequence (its
+    state and the checkpoint a rejection restores, engine/spec/draft.py), as many as the engine allocates."""
+    target = drafter = folders["flat"]
+    settings = dict(spec="draft", draft_model=str(drafter), draft_tokens=3, max_concurrency=2, max_context=512)
+    loaded = build_engine(target, device="cpu", kv_capacity=1024, **settings)
+    try:
+        states = loaded.engine.speculator.proposer.states
+        allocated = states.num_slots * states.slot_bytes
+        assert states.num_slots == 4
+        shape = ModelShape.from_path(drafter).on_device(False, "auto")
+        plain = build_ledger(ModelShape.from_path(target), dict(settings, spec="none"), vram_mib=0, ram_mib=8192)
+        planned = build_ledger(ModelShape.from_path(target), settings, vram_mib=0, ram_mib=8192)
+        assert planned.line("draft").bytes == shape.weight_bytes("auto") + allocated
+        assert "recurrent state x4 slots" in planned.line("draft").name and plain.line("draft") is None
+    finally:
+        loaded.engine.shutdown()
 @pytest.mark.parametrize("fp16", [False, True])
 def test_the_shape_of_a_qwen35_gguf_counts_what_the_engine_allocates(gguf, checkpoint, fp16):  # noqa: F811
     """The GGUF read through the engine's reader: the MTP block (blk.8.nextn.*) is the MTP layer, not weights; the
