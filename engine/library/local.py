@@ -148,3 +148,29 @@ def scan(folders: Iterable[Path] = (), *, hf_cache: Path | None = None, lmstudio
             seen.add(real)
             out.append(m)
     return out
+
+
+def remove(model: LocalModel) -> int:
+    """Deletes a hub-cache model from disk (its snapshot link, and its blob when no other snapshot uses it); returns
+    the bytes freed. Files in LM Studio's, Ollama's or the user's folders belong to them and are refused."""
+    from engine.library.hub import LibraryError
+
+    if model.source != HF:
+        how = {LMSTUDIO: "remove it in LM Studio", OLLAMA: f"run `ollama rm {model.name}`"}.get(
+            model.source, f"delete {model.path} yourself")
+        raise LibraryError(f"{model.name} belongs to {model.source}, not to this library's downloads.", f"To free the "
+                           f"space, {how}.")
+    link = model.path
+    blob = link.resolve()
+    snapshots = next((p for p in link.parents if p.name == "snapshots"), None)
+    if snapshots is None:
+        raise LibraryError(f"{link} is not inside a hub cache snapshot.", f"Delete {link} yourself.")
+    link.unlink(missing_ok=True)
+    others = [p for p in snapshots.rglob("*") if p.is_symlink() and p.resolve() == blob]
+    freed = 0
+    if not others and blob != link and blob.exists():
+        freed = blob.stat().st_size
+        blob.unlink()
+    elif blob == link:  # a copy, not a link (file systems without symlinks)
+        freed = model.size
+    return freed

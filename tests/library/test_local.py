@@ -74,3 +74,20 @@ def test_no_stores_no_models(hf_home, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "empty"))
     monkeypatch.delenv("OLLAMA_MODELS", raising=False)
     assert local.scan() == []
+
+
+def test_remove_deletes_our_downloads_and_refuses_other_stores(tiny_repo, hf_home, tmp_path, monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = dl.download(next(f for f in libhub.list_files(tiny_repo.repo_id) if f.quant == "Q8_0"))
+    blob = path.resolve()
+    size = blob.stat().st_size
+    model = next(m for m in local.scan() if m.source == local.HF)
+    assert local.remove(model) == size
+    assert not path.exists() and not blob.exists() and local.scan() == []
+    _ollama_store(tmp_path / "home" / ".ollama" / "models", write_gguf(tmp_path / "o.gguf").read_bytes())
+    ollama = local.scan()[0]
+    with pytest.raises(libhub.LibraryError, match="belongs to ollama") as e:
+        local.remove(ollama)
+    assert "ollama rm tiny:latest" in e.value.remedy and ollama.path.exists()
