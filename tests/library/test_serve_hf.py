@@ -1,7 +1,10 @@
 """`ninfer-serve hf:ORG/REPO[:QUANT]`: the model path is resolved through the library before the server starts."""
 from __future__ import annotations
 
+import pytest
+
 from engine.serve import main, served_model_ids
+from tests.library.conftest import Repo
 
 
 def test_serve_offline_without_the_file_says_it_is_not_cached(hf_home, monkeypatch, capsys):
@@ -18,3 +21,26 @@ def test_serve_names_the_model_after_the_downloaded_file(tiny_repo, hf_home):
     settings, _ = load_settings(["hf:test-org/Tiny-Llama-GGUF:Q8_0"])
     path = resolve_model_path(settings.model)
     assert served_model_ids(settings, path) == ["Tiny-Llama-Q8_0"]
+
+
+@pytest.mark.slow
+def test_the_engine_loads_and_answers_from_an_hf_reference(hub, hf_home):
+    """The embedded model, published by the stand-in hub, downloaded into the cache by its hf: reference, loaded
+    by the engine's builder (as ninfer-serve does) and answering."""
+    from engine.build import build_engine
+    from engine.model.default import default_model_path
+    from engine.sampling import SamplingParams
+
+    source = default_model_path()
+    hub.add(Repo("test-org/SmolLM2-135M-Instruct-GGUF", {source.name: source.read_bytes()}))
+    loaded = build_engine("hf:test-org/SmolLM2-135M-Instruct-GGUF:Q4_1", device="cpu", max_context=512,
+                          max_concurrency=1)
+    try:
+        assert loaded.path.is_relative_to(hf_home / "hub") and loaded.path.name == source.name
+        tok = loaded.tokenizer
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
+        out = loaded.engine.start().generate(prompt, SamplingParams(temperature=0, max_tokens=48))
+        assert "Paris" in tok.decode(out)
+    finally:
+        loaded.engine.shutdown()
