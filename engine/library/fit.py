@@ -110,6 +110,7 @@ def mark_shape(shape, *, vram_mib: int, ram_mib: int, settings: Mapping[str, Any
                        context=ledger.reach_tokens, weights_bytes=wbytes)
     first = ledger.check()[0]
     if not s.get("kv_window"):
+        best = None  # the largest window whose every page is on the GPU
         for window in WINDOWS:
             if window >= ledger.max_context:
                 continue
@@ -118,12 +119,17 @@ def mark_shape(shape, *, vram_mib: int, ram_mib: int, settings: Mapping[str, Any
                                              host_kv_mib=max(int(s.get("host_kv_mib") or 0), need)),
                                  vram_mib=vram_mib, ram_mib=ram_mib)
             if tried.fits:
-                return FitMark(FITS_WINDOW, f"--kv-window {window} --kv-retrieve {tried.settings['kv_retrieve']} "
-                                            f"--host-kv-mib {tried.settings['host_kv_mib']}: {ledger.max_context:,} "
-                                            f"tokens, the last {window:,} on the "
-                                            f"{'GPU' if vram_mib else 'KV pool'}",
-                               kv_window=window, host_kv_mib=int(tried.settings["host_kv_mib"]),
-                               context=tried.reach_tokens, weights_bytes=wbytes)
+                best = (window, tried)  # without a full fit, the smallest window that fits
+                if tried.reach_gpu_tokens >= window:
+                    break
+        if best is not None:
+            window, tried = best
+            on = min(window, tried.reach_gpu_tokens)
+            return FitMark(FITS_WINDOW, f"--kv-window {window} --kv-retrieve {tried.settings['kv_retrieve']} "
+                                        f"--host-kv-mib {tried.settings['host_kv_mib']}: {ledger.max_context:,} "
+                                        f"tokens, the last {on:,} on the {'GPU' if vram_mib else 'KV pool'}",
+                           kv_window=window, host_kv_mib=int(tried.settings["host_kv_mib"]),
+                           context=tried.reach_tokens, weights_bytes=wbytes)
     return FitMark(NEEDS_MORE, first.message, weights_bytes=wbytes)
 
 

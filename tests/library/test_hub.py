@@ -118,3 +118,15 @@ def test_the_embedded_model_on_the_hub_is_marked_as_the_ledger_marks_the_file(hu
     assert remote.mark == fit.FITS
     fetched = sum(1 for r in hub.requests if "/resolve/" in r[1])
     assert fetched == 3  # one header fetch (a range request) per mark, never the whole file
+
+
+def test_the_window_offered_is_the_largest_that_stays_on_the_gpu():
+    from engine.ledger import ModelShape
+
+    shape = ModelShape.synthetic("qwen3.5-27b-like")  # 262,144 tokens of context
+    settings = {"weight_dtype": "ternary", "kv_dtype": "k8v4"}
+    marks = {v: fit.mark_shape(shape, vram_mib=v, ram_mib=65536, settings=settings) for v in (9000, 9500, 12288)}
+    assert [marks[v].kv_window for v in (9000, 9500, 12288)] == [8192, 16384, 32768]
+    assert all(m.mark == fit.FITS_WINDOW and m.context >= 262_144 for m in marks.values())
+    assert "the last 8,192 on the GPU" in marks[9000].detail and "--host-kv-mib" in marks[9000].detail
+    assert fit.mark_shape(shape, vram_mib=12288, ram_mib=65536).mark == fit.NEEDS_MORE  # bf16 weights: 50 GiB
