@@ -70,7 +70,7 @@ def cached_files(repo_id: str) -> list[Path]:
     return [p for s in snaps for p in sorted(s.rglob("*.gguf")) if p.exists() and _loadable(p.name)]
 
 
-def _from_cache(repo_id: str, quant: str, why: str) -> Path:
+def _from_cache(repo_id: str, quant: str, why: str = "") -> Path:
     found = cached_files(repo_id)
     if quant:
         found = [p for p in found if quant_of(p.name) == quant]
@@ -79,6 +79,9 @@ def _from_cache(repo_id: str, quant: str, why: str) -> Path:
         found = pref or found
     if not found:
         what = f"hf:{repo_id}" + (f":{quant}" if quant else "")
+        if not why:
+            raise LibraryError(f"{what} has not been downloaded yet (it is not in {cache_dir()}).",
+                               f"Download it first: python -m engine.library download {what}")
         raise OfflineError(f"{what} is not in the model cache ({cache_dir()}) and the hub cannot be used: {why}.",
                            "Connect to the network (and unset HF_HUB_OFFLINE), or pass the path of a GGUF file "
                            "on disk.")
@@ -103,9 +106,12 @@ def _log_progress() -> Callable[[DownloadProgress], None]:
 
 
 def resolve_hf(spec: str, on_progress: Callable[[DownloadProgress], None] | None = None,
-               cancel: threading.Event | None = None) -> Path:
-    """The local path of ``hf:ORG/REPO[:QUANT]``, downloading it first when needed."""
+               cancel: threading.Event | None = None, *, download_missing: bool = True) -> Path:
+    """The local path of ``hf:ORG/REPO[:QUANT]``, downloading it first when needed (``download_missing=False``: the
+    cached file only, no network, e.g. for a quick check before a download the user confirms)."""
     repo_id, quant = parse_spec(spec)
+    if not download_missing:
+        return _from_cache(repo_id, quant)
     if offline():
         return _from_cache(repo_id, quant, "offline mode is on (HF_HUB_OFFLINE)")
     try:

@@ -198,3 +198,12 @@ def test_a_gated_repository_asks_for_a_token_and_works_with_one(tiny_repo, hub, 
         path = resolve_hf(f"hf:{REPO}:Q4_K_M")
     assert path.read_bytes() == tiny_repo.files["Tiny-Llama-Q4_K_M.gguf"]
     assert tiny_repo.gated_token not in caplog.text
+
+
+def test_a_cache_only_resolution_never_downloads(tiny_repo, hub):
+    with pytest.raises(libhub.LibraryError, match="has not been downloaded yet") as e:
+        resolve_hf(f"hf:{REPO}:Q8_0", download_missing=False)
+    assert f"python -m engine.library download hf:{REPO}:Q8_0" in e.value.remedy
+    assert not [r for r in hub.requests if "/resolve/" in r[1]]
+    path = resolve_hf(f"hf:{REPO}:Q8_0")
+    assert resolve_hf(f"hf:{REPO}:Q8_0", download_missing=False) == path
