@@ -32,7 +32,7 @@ NO_PREFIX_REUSE = {"max_shared_prefixes": 0, "kv_reuse_hostbacked": False}
 
 def add_arguments(p) -> None:
     p.add_argument("--text", type=Path, default=None, help="UTF-8 text file to score (default: the bundled "
-                   "resources/eval/harbour.txt, about 2,900 tokens)")
+                   "resources/eval/harbour.txt, 2,837 tokens of the default model)")
     p.add_argument("--ctx", type=int, default=1024, help="tokens per segment (default 1024)")
     p.add_argument("--max-segments", type=int, default=0, help="score at most this many segments (0: all)")
     p.add_argument("--ref", default="", metavar="FLAGS",
