@@ -120,6 +120,8 @@ def test_usage_errors_name_the_problem(tiny, capsys):
     assert cli.main(["needle", "--url", "http://127.0.0.1:9", "--kv-dtype", "k8v4"]) == 2
     err = capsys.readouterr().err
     assert "kv_dtype" in err and "--url" in err
+    assert cli.main(["needle", "--lengths", "512,lots"]) == 2
+    assert "'512,lots' is not whole numbers" in capsys.readouterr().err
     assert cli.main(["kld", "--url", "http://127.0.0.1:9"]) == 2
     assert "in process only" in capsys.readouterr().err
     assert cli.main(["kld", str(folder), "--text", str(text), "--ctx", "8"]) == 1

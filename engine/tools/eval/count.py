@@ -6,6 +6,7 @@ window without retrieval, or retrieval too shallow) counts only what it sees and
 model than a pass key: a small model may fail it with the full cache too (docs/EVAL.md)."""
 from __future__ import annotations
 
+import argparse
 import random
 import re
 from pathlib import Path
@@ -23,7 +24,11 @@ CHARS_PER_TOKEN = 4.0  # the length estimate for a server (--url), whose tokeniz
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not whole numbers separated by commas (e.g. 512,1024)") \
+            from None
 
 
 def add_arguments(p) -> None:

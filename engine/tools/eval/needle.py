@@ -7,6 +7,7 @@ key. A configuration that cannot attend to the middle of a long prompt (a KV win
 middle depths; one that sees everything passes wherever the model itself can retrieve."""
 from __future__ import annotations
 
+import argparse
 import random
 from pathlib import Path
 from typing import Any
@@ -23,11 +24,18 @@ CHARS_PER_TOKEN = 4.0  # the length estimate for a server (--url), whose tokeniz
 
 
 def _floats(text: str) -> list[float]:
-    return [float(v) for v in text.split(",") if v.strip()]
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not numbers separated by commas (e.g. 0,0.5,1)") from None
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not whole numbers separated by commas (e.g. 512,1024)") \
+            from None
 
 
 def add_arguments(p) -> None:
