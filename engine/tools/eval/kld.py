@@ -200,7 +200,7 @@ def format_table(summary: dict[str, Any], command: str) -> str:
     if c:
         lines.append(f"  candidate: {c['weights']} weights, {c['kv']} KV, window {c['window']} ({c['model']}, "
                      f"{c['device']})")
-    lines += [f"  text: {summary['text']}, {summary['tokens']} tokens in {summary['segments']} segments of up to "
+    lines += [f"  text: {summary['text']}, {summary['tokens']} tokens in {summary['segments']} segment{'s' if summary['segments'] != 1 else ''} of up to "
               f"{summary['ctx']}; {summary['positions']} positions scored"
               + (f" ({summary['resumed']} segments from the results file)" if summary["resumed"] else ""), "",
               "| KLD mean | KLD p99 | KLD p99.9 | KLD max | top-1 agreement | PPL | PPL reference |",
