@@ -195,6 +195,10 @@ def hf_home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("HF_HOME", str(home))
     for name in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN"):
         monkeypatch.delenv(name, raising=False)
+    # the hub client reads HF_HUB_OFFLINE once, at its import: the suite's conftest sets it before any test, so a
+    # client imported earlier in the run would stay offline
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     return home
 
 
