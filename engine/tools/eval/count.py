@@ -6,13 +6,13 @@ window without retrieval, or retrieval too shallow) counts only what it sees and
 model than a pass key: a small model may fail it with the full cache too (docs/EVAL.md)."""
 from __future__ import annotations
 
-import argparse
 import random
 import re
 from pathlib import Path
 from typing import Any
 
 from engine.errors import NInferError
+from engine.tools.eval.needle import int_list
 from engine.tools.eval.results import ResultsFile, config_key
 
 WORDS = ("stone", "river", "cloud", "table", "green", "paper", "window", "garden", "silver", "candle", "bridge",
@@ -20,19 +20,10 @@ WORDS = ("stone", "river", "cloud", "table", "green", "paper", "window", "garden
 TARGETS = ("apple", "tiger", "violin", "rocket", "pepper")
 INTRO = "Here is a list of words.\n\n"
 QUESTION = "\n\nHow many times does the word \"{word}\" appear in the list above? The answer is"
-CHARS_PER_TOKEN = 4.0  # the length estimate for a server (--url), whose tokenizer is not known here
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not whole numbers separated by commas (e.g. 512,1024)") \
-            from None
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--lengths", type=_ints, default=[512, 1024, 2048], metavar="L1,L2,...",
+    p.add_argument("--lengths", type=int_list, default=[512, 1024, 2048], metavar="L1,L2,...",
                    help="prompt lengths in tokens (default 512,1024,2048)")
     p.add_argument("--seeds", type=int, default=5, help="prompts per length, each with its own word and count "
                    "(default 5)")
@@ -65,7 +56,7 @@ def first_number(answer: str) -> int | None:
 
 
 def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, Any]:
-    from engine.tools.eval.target import ENGINE_KEYS, EngineTarget, RemoteTarget
+    from engine.tools.eval.target import ENGINE_KEYS, open_target
 
     if args.seeds < 1 or not args.lengths or any(n < 64 for n in args.lengths) or args.max_count < 2:
         raise NInferError("The count check needs --seeds >= 1, lengths of at least 64 tokens and --max-count >= 2.",
@@ -79,16 +70,9 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
     info: dict[str, Any] = {"key": key, "lengths": args.lengths, "seeds": args.seeds,
                             "resumed": len(items) - len(todo), "target": None}
     if todo:
-        target = RemoteTarget(args.url, settings.api_key, (settings.model_id or [None])[0]) if args.url \
-            else EngineTarget(settings)
+        target, count = open_target(args, settings, max(args.lengths))
         try:
             info["target"] = target.describe()
-            count = target.count_tokens if not args.url else (lambda text: round(len(text) / CHARS_PER_TOKEN))
-            limit = getattr(target, "context_window", None)
-            if limit is not None and max(args.lengths) + 16 > limit:
-                raise NInferError(f"--lengths {max(args.lengths)} does not fit this configuration's context of "
-                                  f"{limit} tokens (with 16 for the answer).",
-                                  "Lower --lengths, or raise --max-context (and --kv-capacity if it is set).")
             for n, s in progress(todo, desc="count", unit="prompt"):
                 prompt, word, k = build_prompt(n, s, count, args.max_count)
                 answer = target.complete(prompt, 8)

@@ -20,17 +20,16 @@ INTRO = ("There is an important piece of information hidden inside a lot of irre
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
-CHARS_PER_TOKEN = 4.0  # the length estimate for a server (--url), whose tokenizer is not known here
 
 
-def _floats(text: str) -> list[float]:
+def float_list(text: str) -> list[float]:
     try:
         return [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not numbers separated by commas (e.g. 0,0.5,1)") from None
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     try:
         return [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -39,9 +38,9 @@ def _ints(text: str) -> list[int]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--lengths", type=_ints, default=[512, 1024, 2048], metavar="L1,L2,...",
+    p.add_argument("--lengths", type=int_list, default=[512, 1024, 2048], metavar="L1,L2,...",
                    help="prompt lengths in tokens (default 512,1024,2048)")
-    p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0], metavar="D1,D2,...",
+    p.add_argument("--depths", type=float_list, default=[0.0, 0.25, 0.5, 0.75, 1.0], metavar="D1,D2,...",
                    help="where the needle sits, 0 = start of the filler, 1 = its end (default 0,0.25,0.5,0.75,1)")
     p.add_argument("--seeds", type=int, default=3, help="prompts (pass keys) per cell (default 3)")
     p.add_argument("--png", type=Path, default=None, metavar="FILE.png",
@@ -65,7 +64,7 @@ def pass_key(length: int, depth: float, seed: int) -> int:
 
 
 def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, Any]:
-    from engine.tools.eval.target import ENGINE_KEYS, EngineTarget, RemoteTarget
+    from engine.tools.eval.target import ENGINE_KEYS, open_target
 
     if args.seeds < 1 or not args.lengths or not args.depths or any(not 0 <= d <= 1 for d in args.depths) \
             or any(n < 64 for n in args.lengths):
@@ -80,16 +79,9 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
     info: dict[str, Any] = {"key": key, "lengths": args.lengths, "depths": args.depths, "seeds": args.seeds,
                             "resumed": len(items) - len(todo), "target": None}
     if todo:
-        target = RemoteTarget(args.url, settings.api_key, (settings.model_id or [None])[0]) if args.url \
-            else EngineTarget(settings)
+        target, count = open_target(args, settings, max(args.lengths))
         try:
             info["target"] = target.describe()
-            count = target.count_tokens if not args.url else (lambda text: round(len(text) / CHARS_PER_TOKEN))
-            limit = getattr(target, "context_window", None)
-            if limit is not None and max(args.lengths) + 16 > limit:
-                raise NInferError(f"--lengths {max(args.lengths)} does not fit this configuration's context of "
-                                  f"{limit} tokens (with 16 for the answer).",
-                                  "Lower --lengths, or raise --max-context (and --kv-capacity if it is set).")
             for n, d, s in progress(todo, desc="needle", unit="prompt"):
                 secret = pass_key(n, d, s)
                 prompt = build_prompt(n, d, secret, count)

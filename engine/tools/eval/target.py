@@ -168,3 +168,23 @@ class RemoteTarget:
 
     def close(self) -> None:
         self.client.close()
+
+
+CHARS_PER_TOKEN = 4.0  # the length estimate for a server (--url), whose tokenizer is not known here
+
+
+def open_target(args, settings: Any, longest: int):
+    """The configuration a check runs against (`--url`: that server; else an engine built in process) and its token
+    counter; refuses prompts of `longest` tokens that the configuration's context cannot hold with 16 for the
+    answer."""
+    target = RemoteTarget(args.url, settings.api_key, (settings.model_id or [None])[0]) if args.url \
+        else EngineTarget(settings)
+    count = target.count_tokens if not args.url else (lambda text: round(len(text) / CHARS_PER_TOKEN))
+    limit = getattr(target, "context_window", None)
+    if limit is not None and longest + 16 > limit:
+        target.close()
+        raise NInferError(f"--lengths {longest} does not fit this configuration's context of {limit} tokens (with "
+                          f"16 for the answer).", "Lower --lengths, or raise --max-context (and --kv-capacity if it "
+                          "is set).")
+    return target, count
+
