@@ -33,11 +33,11 @@ class ModelRunner:
                  static_decode: bool = False, state_slots: int = 0, max_batch: int = 0):
         """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA;
         `prefill_cublas`: low-bit layers run chunks of PREFILL_DENSE_ROWS+ rows as dense matmuls (linear.DenseScratch);
-        `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); without graphs a
-        CUDA device runs them through the same static forward, called directly; `static_decode`: so does the CPU (the
-        tests; the CPU's own decode reads contiguous pages as views, faster than the page-table twin);
+        `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); every decode step
+        runs the same static forward, recorded or not; `static_decode`: run it uncaptured exactly as a graph would
+        (power-of-two buckets, dummy rows, the page-table kernel's twin on the CPU): the tests of what graphs record;
         `state_slots`: recurrent-state slots (engine/memory/state.py), for a model with recurrent layers;
-        `max_batch`: the most sequences a step runs (0: unknown); static batches of more than 2 may pad with dummy rows,
+        `max_batch`: the most sequences a step runs (0: unknown); padded batches of more than 2 have dummy rows,
         whose recurrent state steps in one more, scratch, slot.
 
         The model's `cache_specs` (engine/memory/specs.py, one per layer) size the pools: the KV cache holds the
@@ -48,20 +48,20 @@ class ModelRunner:
         attention = [s for s in specs if s.kind == "attention"]
         recurrent = [s for s in specs if s.kind == "recurrent"]
         capture = resolve_cuda_graphs(cuda_graphs, torch.device(model.device))
-        # decode steps run the static forward on CUDA (recorded as graphs or called directly: one decode path), and
-        # on the CPU where asked (the tests); one more KV page: the scratch page of the static batches' dummy rows
-        static = capture or static_decode or torch.device(model.device).type == "cuda"
-        self.kv = KVCache(len(attention), num_pages + static, attention[0].num_kv_heads, attention[0].head_dim,
+        padded = capture or static_decode
+        # one more KV page than the pool hands out: the scratch page of padded batches' dummy rows
+        self.kv = KVCache(len(attention), num_pages + 1, attention[0].num_kv_heads, attention[0].head_dim,
                           kv_dtype, model.device, page_size)
         if recurrent and state_slots < 1:
             raise ValueError("a model with recurrent layers needs state_slots >= 1")
         self.state = StatePool(recurrent, state_slots, torch.device(model.device),
-                               scratch=static and pads(max_batch)) if recurrent else None
+                               scratch=padded and pads(max_batch)) if recurrent else None
         self.pool = PagePool(num_pages, page_size)
         self.page_size = page_size
         self.host = HostPool(self.kv, host_pages, host_pinned) if host_pages else None
         self.dense_prefill = enable_dense_prefill(model, PREFILL_DENSE_ROWS) if prefill_cublas else None
-        self.graphs = DecodeGraphs(self, num_pages, capture) if static else None
+        row_views = torch.device(model.device).type == "cpu" and not static_decode
+        self.graphs = DecodeGraphs(self, num_pages, capture, padded=padded, row_views=row_views)
 
     def run(self, works: list[Work]) -> list[torch.Tensor | None]:
         if self.graphs is not None and self.graphs.why_not(works) is None:

@@ -44,6 +44,7 @@ class DecodeTable:
     page_table: torch.Tensor  # int32 [B, P]: each row's page ids (unused entries: the scratch page)
     ctx_lens: torch.Tensor  # int32 [B]: tokens each row attends to, its own included
     state_slots: torch.Tensor | None = None  # int64 [B]: each row's recurrent-state slot (models with recurrent layers)
+    rows: list[SeqSlice] | None = None  # each real row's pages on the host, where attention reads them as views (CPU)
 
 
 @dataclass

@@ -1,21 +1,23 @@
-"""The decode step of a CUDA device: a static forward, captured as one CUDA graph per (batch, pages) bucket with
---cuda-graphs, called directly without (the same function either way: one decode path).
+"""The decode step: every sequence computes one token over a plain page list, through one static forward on every
+device; on CUDA with --cuda-graphs it is captured as one CUDA graph per (batch, pages) bucket and replayed.
 
-A decode step (every sequence computes one token over a plain page list) runs through fixed-size device tensors:
-input ids, positions, KV slots and context lengths [B], a page table [B, P], for B a power of two (1, 2, 4, ...)
-and P a power of two of pages. Rows past the real sequences are dummies: token 0 at position 0, written to a scratch
-KV page that the page pool never hands out, attending to that one slot. Attention reads the page table
-(`static_paged_attention`: the paged decode kernel, Triton on CUDA, for float and quantized pages), so no shape
-depends on the data. On CUDA each
-bucket is captured once (after a warm-up on a side stream) and replayed after copying the step's inputs into its
-tensors; with `capture=False` (CUDA without graphs; the CPU tests) the same static forward is called directly.
+The step runs on fixed-size tensors: input ids, positions, KV slots and context lengths [B], a page table [B, P].
+Captured (and where asked, `padded`: the tests of what a graph records), B and P are powers of two (1, 2, 4, ...):
+rows past the real sequences are dummies (token 0 at position 0, written to a scratch KV page that the page pool
+never hands out, attending to that one slot), so no shape depends on the data; each bucket is captured once (after
+a warm-up on a side stream) and replayed after copying the step's inputs into its tensors. Uncaptured, B and P are
+the step's own sizes. Attention reads the page table through the paged decode kernel (Triton on CUDA, its PyTorch
+twin otherwise); on the CPU each row instead reads its pages as one view where they are consecutive
+(`DecodeTable.rows`: the twin would gather them), which is why the CPU decodes as fast through this path as the
+per-sequence attention of prefill steps.
 
 Models with recurrent layers decode the same way: each row also names its state slot (dummy rows: the state pool's
 scratch slot), and the recurrent layers step every row's state together; the state snapshots a step saves are copied
 after it, outside the graph.
 
-Everything else runs eagerly: prefill and mixed steps, speculative verification (several tokens per sequence),
-windowed (TieredPages) sequences, and steps while MTP reads hidden states; the unusual ones are logged once.
+Everything else runs through the runner's general forward: prefill and mixed steps, speculative verification
+(several tokens per sequence), windowed (TieredPages) sequences, and steps while MTP reads hidden states; the
+unusual ones are logged once.
 """
 from __future__ import annotations
 
@@ -57,16 +59,6 @@ def resolve_cuda_graphs(setting: str, device: torch.device) -> bool:
     return True
 
 
-def static_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
-                           scale: float) -> torch.Tensor:
-    """Decode attention of a static batch: q/k/v [B, H, D], one token per row; writes k/v to the rows' slots, then
-    every row attends over its page-table row up to its context length: the paged decode kernel (Triton where it
-    runs, its PyTorch twin otherwise), reading float or quantized pages in place."""
-    cache, table = batch.kv, batch.decode
-    cache.write(layer, batch.slots, k, v)
-    return cache.decode_attention(layer, cache.rotate_queries(q), table.page_table, table.ctx_lens, scale)
-
-
 @dataclass
 class _Static:
     """One bucket's static tensors (its graph and output once captured or run)."""
@@ -83,20 +75,23 @@ class _Static:
 
 
 class DecodeGraphs:
-    """The static decode path of one ModelRunner. `capture`: record CUDA graphs (CUDA only); False: call the static
-    forward directly (the same tensors and kernels, for the CPU and the tests). The runner reserves KV page
-    `scratch_page` (beyond its page pool) for the dummy rows."""
+    """The decode path of one ModelRunner. `capture`: record CUDA graphs (CUDA only); `padded`: power-of-two buckets
+    with dummy rows, as captured graphs have them, without capturing (the tests); neither: each step's own sizes.
+    `row_views`: attention reads each row's pages as views (the CPU) instead of through the page-table kernel. The
+    runner reserves KV page `scratch_page` (beyond its page pool) for the dummy rows."""
 
-    def __init__(self, runner, scratch_page: int, capture: bool):
+    def __init__(self, runner, scratch_page: int, capture: bool, padded: bool = False, row_views: bool = False):
         if capture and runner.device.type != "cuda":
             raise NInferError("CUDA graphs need a CUDA device.", "Use --cuda-graphs off on the CPU.")
         self.runner, self.model, self.kv, self.state = runner, runner.model, runner.kv, runner.state
         self.capture = capture
+        self.padded = capture or padded
+        self.row_views = row_views
         self.scratch_page = scratch_page
         self.page_size = runner.page_size
         self.entries: dict[tuple[int, int], _Static] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.steps = 0  # decode steps run through the static path
+        self.steps = 0  # decode steps run through this path
         self._told: set[str] = set()
 
     # ---- which steps ------------------------------------------------------------------------------------------
@@ -113,14 +108,25 @@ class DecodeGraphs:
             reason = f"more than {MAX_BATCH} sequences"
         if reason and reason not in self._told:
             self._told.add(reason)
-            log.info("CUDA graphs: decode steps with %s run eagerly", reason)
+            log.info("decode steps with %s run through the general forward", reason)
         return reason
 
     # ---- the static forward -----------------------------------------------------------------------------------
     def _entry(self, batch: int, pages: int) -> _Static:
+        """The bucket's tensors: made (and captured) once where padded, made for this step alone otherwise."""
         key = (batch, pages)
         if key in self.entries:
             return self.entries[key]
+        e = self._new(batch, pages)
+        if self.padded:
+            self._fill(e, [])  # every row a dummy while warming up and capturing
+            e.flat.copy_(e.host)
+            if self.capture:
+                self._capture(e)
+            self.entries[key] = e
+        return e
+
+    def _new(self, batch: int, pages: int) -> _Static:
         dev = self.runner.device
         n = 5 * batch + batch * pages
         host = torch.zeros(n, dtype=torch.long, pin_memory=self.capture)
@@ -132,13 +138,7 @@ class DecodeGraphs:
                              states if self.state is not None else None)
         fb = ForwardBatch(input_ids=ids, positions=positions, slots=slots, seqs=[], kv=self.kv, state=self.state,
                           logit_rows=None, max_position=0, decode=decode)
-        e = _Static(batch, pages, host, flat, fb, table64, ctx)
-        self._fill(e, [])  # every row a dummy while warming up and capturing
-        e.flat.copy_(e.host)
-        if self.capture:
-            self._capture(e)
-        self.entries[key] = e
-        return e
+        return _Static(batch, pages, host, flat, fb, table64, ctx)
 
     def _forward(self, e: _Static) -> torch.Tensor:
         e.forward.decode.page_table.copy_(e.table64)  # int32 for the kernel, inside the graph
@@ -204,18 +204,22 @@ class DecodeGraphs:
 
     def run(self, works) -> list[torch.Tensor]:
         """Logits [1, vocab] per work (copies: the static output is overwritten by the next step)."""
-        pages = bucket(max(w.start // self.page_size + 1 for w in works))
+        pages = max(w.start // self.page_size + 1 for w in works)
+        size = bucket if self.padded else int
         rotary = getattr(self.model, "rotary", None)
         top = max(w.start for w in works)
         if rotary is not None and top >= rotary.cos.shape[0]:  # grow the tables outside any graph, then recapture
             rotary._extend(top + 1)
             self.entries.clear()
         try:
-            e = self._entry(bucket(len(works)), pages)
+            e = self._entry(size(len(works)), size(pages))
         except Exception as err:  # a capture that fails must not fail the requests: decode eagerly from now on
-            return self._give_up(works, f"capturing batch {bucket(len(works))}, {pages} pages failed: {err}")
+            return self._give_up(works, f"capturing batch {size(len(works))}, {size(pages)} pages failed: {err}")
         self._fill(e, works)
         e.flat.copy_(e.host)  # blocking: the host tensor is refilled next step
+        if self.row_views:
+            e.forward.decode.rows = [w.pages.seq_slice(i, 1, w.start + 1, self.runner.device)
+                                     for i, w in enumerate(works)]
         if e.graph is not None and e.runs == 0:
             if not self._replay_matches(e, works):
                 return self._give_up(works, f"the first replay of batch {e.batch}, {e.pages} pages differs from the "

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 from engine.model.batch import ForwardBatch
-from engine.model.graphs import static_paged_attention
 from kernels import dispatch
 
 
@@ -116,11 +115,46 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return torch.bmm(probs if v.dtype == torch.float32 else probs.to(v.dtype), v).view(hq, length, d)
 
 
+def static_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
+                           scale: float) -> torch.Tensor:
+    """Attention of a decode step (engine/model/graphs.py), q/k/v [B, H, D], one token per row: writes k/v to the
+    rows' slots, then every row attends over its page-table row up to its context length through the paged decode
+    kernel (Triton where it runs, its PyTorch twin otherwise), reading float or quantized pages in place; or, where
+    the table lists its rows' pages on the host (the CPU), row by row over views of them."""
+    cache, table = batch.kv, batch.decode
+    cache.write(layer, batch.slots, k, v)
+    q = cache.rotate_queries(q)
+    if table.rows is None:
+        return cache.decode_attention(layer, q, table.page_table, table.ctx_lens, scale)
+    if len(table.rows) == 1:
+        return _plain_rows(cache, layer, q, table.rows[0], scale)
+    out = torch.empty_like(q)
+    for s in table.rows:
+        out[s.q_start] = _plain_rows(cache, layer, q, s, scale)[0]
+    return out
+
+
+def _plain_rows(cache, layer: int, q: torch.Tensor, s, scale: float) -> torch.Tensor:
+    """The rows of one sequence over its plain page list: its K/V gathered (a view where the pages are consecutive
+    and float), grouped attention for a few queries, SDPA for longer chunks; [q_len, Hq, D]."""
+    keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype, s.first_page)  # [ctx, Hkv, D], in q's dtype
+    qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
+    kt, vt = keys.transpose(0, 1), values.transpose(0, 1)
+    if s.q_len <= FEW_QUERIES:
+        o = grouped_attention(qs, kt, vt, None if s.q_len == 1 else s.causal_mask(q.device), scale)
+    elif s.q_len == s.ctx_len:
+        o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=s.causal_mask(q.device), scale=scale,
+                                           enable_gqa=True)
+    return o.transpose(0, 1)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
                     scale: float) -> torch.Tensor:
     """q: [T, Hq, D], k/v: [T, Hkv, D] for this step's tokens. Writes k/v into the pages, then attends each sequence
     over its whole context (earlier pages plus this step), causally within the step."""
-    if batch.decode is not None:  # a static decode step (--cuda-graphs): fixed shapes, the page-table kernel
+    if batch.decode is not None:  # a decode step (engine/model/graphs.py): the page table, fixed shapes
         return static_paged_attention(q, k, v, layer, batch, scale)
     cache = batch.kv
     cache.write(layer, batch.slots, k, v)  # quantizes for the k8/k4/v8/v4 formats
@@ -144,22 +178,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
                 o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
             rows = o.transpose(0, 1)
         elif s.q_len == 1 and dispatch.use_triton(q.device):
-            # decode on CUDA: the Triton kernel reads the pages in place, float or quantized (dequantized in
-            # registers; rk* keys against the rotated q above) (kernels/paged_attention.py)
+            # one token on CUDA (a verification or mixed step): the Triton kernel reads the pages in place, float or
+            # quantized (dequantized in registers; rk* keys against the rotated q above) (kernels/paged_attention.py)
             rows = cache.decode_attention(layer, q[s.q_start:s.q_start + 1], s.pages[None], s.ctx_lens(q.device),
                                           scale)
         else:
-            keys, values = cache.gather(layer, s.pages, s.ctx_len, q.dtype, s.first_page)  # [ctx, Hkv, D], in q's dtype
-            qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)
-            kt, vt = keys.transpose(0, 1), values.transpose(0, 1)
-            if s.q_len <= FEW_QUERIES:
-                o = grouped_attention(qs, kt, vt, None if s.q_len == 1 else s.causal_mask(q.device), scale)
-            elif s.q_len == s.ctx_len:
-                o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
-            else:
-                o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=s.causal_mask(q.device), scale=scale,
-                                                   enable_gqa=True)
-            rows = o.transpose(0, 1)
+            rows = _plain_rows(cache, layer, q, s, scale)
         if single:
             return rows
         out[s.q_start:s.q_start + s.q_len] = rows
