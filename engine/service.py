@@ -66,7 +66,8 @@ class LocalService:
 
     Lifecycle: ``start()`` -> status "loading" (``progress`` 0..1, ``message``) -> "ready" (``ready`` event set) or
     "failed" (``load_error``) or "cancelled" (after ``cancel()``); ``stop()`` -> "stopped". ``restart_server()``
-    rebinds the HTTP side (host, port, API key) and keeps the loaded engine.
+    rebinds the HTTP side (host, port, API key) and keeps the loaded engine; ``switch_model()`` unloads the engine and
+    loads another model behind the same server (503 with Retry-After meanwhile).
     """
 
     def __init__(self, settings: Settings):
@@ -222,6 +223,51 @@ class LocalService:
             self.state.apply_settings(new)
             self._start_server(sock)
 
+    def switch_model(self, model: str, drain_s: float = 5.0) -> None:
+        """Serves another model on the same server (same host, port and key): the old engine is unloaded and the new
+        one loads on a thread, as ``start()`` loads; requests meanwhile get 503 with Retry-After. Requests already
+        running get up to ``drain_s`` seconds to finish before the old engine stops. A model that fails to load ends
+        the service "failed" (the server stops), as a failed start does. Raises NInferError when nothing is served
+        or a load is under way, and ModelLoadError when ``model`` is not a usable path (the old model stays)."""
+        from engine.model.loader import resolve_model_path
+
+        with self._lock:
+            if self.status != READY or not self.serving:
+                raise NInferError(f"Cannot switch the model while the engine is {self.status}.",
+                                  "Wait until the model is loaded (or start the engine), then switch.")
+            path = resolve_model_path(model)  # a missing file fails here, with the old model still served
+            settings = dataclasses.replace(self.state.settings, model=model,
+                                           sources={**self.state.settings.sources, "model": "app"})
+            old = self.state.loaded
+            self.ready.clear()
+            self.finished.clear()
+            self._cancel.clear()
+            self.state.load_error, self.state.load_progress = None, 0.0
+            self.state.switching_to = path.stem if path.is_file() else path.name
+            self.state.loaded = None  # new requests get 503 + Retry-After from here on
+            self.progress, self.message, self.status = 0.0, f"switching to {self.state.switching_to}", LOADING
+            self.started_at = time.monotonic()
+            log.info("switching the model to %s", path)
+            self._unload(old, drain_s)
+            self.settings, self.model_path = settings, path
+            self.state.apply_settings(settings)
+            self.state.model_ids = served_model_ids(settings, path)
+            self._load_thread = threading.Thread(target=self._load, name="ninfer-load", daemon=True)
+            self._load_thread.start()
+
+    def _unload(self, loaded: Any, drain_s: float) -> None:
+        """Lets the running requests of an engine taken out of service finish (up to ``drain_s``), then stops it."""
+        if loaded is None:
+            return
+        deadline = time.monotonic() + drain_s
+        while time.monotonic() < deadline:
+            stats = loaded.engine.stats()
+            if not stats.get("running") and not stats.get("waiting"):
+                break
+            time.sleep(0.05)
+        self.state.metrics.detach()
+        loaded.engine.shutdown(10.0)  # what still runs ends with finish reason "abort"
+
     # ---- internals ------------------------------------------------------------------------------------------
     def _start_server(self, sock: socket.socket | None = None) -> None:
         import uvicorn
@@ -274,6 +320,7 @@ class LocalService:
             if self._cancel.is_set():
                 raise LoadCancelled()
             loaded.engine.start()
+            self.state.switching_to = ""
             self.state.loaded = loaded
             self.progress, self.message, self.status = 1.0, "ready", READY
             self.ready_at = time.monotonic()
@@ -281,6 +328,7 @@ class LocalService:
             log.info("ready: %s on %s, context %d tokens, %d KV pages, loaded in %.1f s", loaded.path.name,
                      loaded.device, loaded.context_window, loaded.engine.pool.num_pages, loaded.load_seconds)
         except LoadCancelled as e:
+            self.state.switching_to = ""
             self.state.load_error = str(e)
             self.status, self.message = CANCELLED, "cancelled"
             log.info("model loading cancelled")
@@ -294,6 +342,7 @@ class LocalService:
             self.finished.set()
 
     def _fail(self, error: str) -> None:
+        self.state.switching_to = ""
         self.state.load_error = error
         self.status, self.message = FAILED, "failed"
         log.error("%s", error)

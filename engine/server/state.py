@@ -16,6 +16,7 @@ class ServerState:
     loaded: "object | None" = None  # engine.build.LoadedEngine
     load_error: str | None = None
     load_progress: float = 0.0
+    switching_to: str = ""  # the model being loaded in place of the one served before ("" when not switching)
     created: int = 0
     defaults: dict = field(default_factory=dict)
     metrics: Metrics = field(default_factory=Metrics)
@@ -38,6 +39,10 @@ class ServerState:
         if self.loaded is None:
             if self.load_error:
                 raise APIError(503, f"The model failed to load: {self.load_error}", code="model_load_failed")
+            if self.switching_to:
+                raise APIError(503, f"The server is switching to the model {shown(self.switching_to)} "
+                                    f"({self.load_progress:.0%} loaded); retry in a moment.",
+                               code="model_switching", headers={"Retry-After": "2"})
             raise APIError(503, f"The model is still loading ({self.load_progress:.0%}); retry in a moment.",
                            code="model_loading", headers={"Retry-After": "2"})
         return self.loaded

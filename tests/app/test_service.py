@@ -85,3 +85,42 @@ def test_stats_carry_engine_keys_the_snapshot_lacks():
         assert stats["pages_used"] == 10 - 4 and stats["context_window"] == 512  # the snapshot's own count
     finally:
         service.state.loaded = None
+
+
+def test_switch_the_model_on_the_same_port(tmp_path):
+    """The served model is replaced without stopping the server: during the switch a chat gets 503 with Retry-After,
+    afterwards the new model (here the embedded file under another name) answers on the same port and the old name
+    is gone. A missing file is refused before anything is unloaded."""
+    import shutil
+
+    from engine.model.default import default_model_path
+
+    other = tmp_path / "other-model.gguf"
+    shutil.copyfile(default_model_path(), other)
+    port = free_port()
+    service = LocalService(settings_from_mapping({"port": port, "max_context": 512, "device": "cpu"}, "app")).start()
+    chat = {"messages": [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+            "max_tokens": 48,
+            "temperature": 0}
+    try:
+        assert service.wait_ready(240), service.load_error
+        old_id = service.model_ids[0]
+        with pytest.raises(ModelLoadError):
+            service.switch_model(str(tmp_path / "missing.gguf"))
+        assert service.status == "ready" and service.model_ids == [old_id]
+        service.switch_model(str(other))
+        assert service.port == port and service.serving
+        during = httpx.post(service.url + "/chat/completions", json=dict(chat, model="other-model"), timeout=30)
+        assert during.status_code == 503, during.text
+        assert during.headers["Retry-After"] == "2" and "switching to the model 'other-model'" in during.text
+        assert service.wait_ready(240), service.load_error
+        assert service.port == port and service.model_ids == ["other-model"]
+        models = httpx.get(service.url + "/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == ["other-model"]
+        after = httpx.post(service.url + "/chat/completions", json=dict(chat, model="other-model"), timeout=120)
+        assert after.status_code == 200, after.text
+        assert "Paris" in after.json()["choices"][0]["message"]["content"]
+        gone = httpx.post(service.url + "/chat/completions", json=dict(chat, model=old_id), timeout=30)
+        assert gone.status_code == 404
+    finally:
+        service.stop()
