@@ -76,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from engine.server.app import create_app
+    from engine.server.protocol import APIErrorsProtocol
     from engine.server.state import ServerState
 
     state = ServerState(settings, served_model_ids(settings, path))
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=settings.host, port=settings.port,
-                                           log_level=settings.log_level, timeout_graceful_shutdown=5))
+                                           log_level=settings.log_level, timeout_graceful_shutdown=5,
+                                           http=APIErrorsProtocol))
     log.info("serving %s as %s on http://%s:%d/v1", path, ", ".join(state.model_ids), settings.host, settings.port)
     load_in_background(state, settings, on_failure=lambda: setattr(server, "should_exit", True))
     server.run()
