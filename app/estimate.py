@@ -54,11 +54,16 @@ def _size(path: Path) -> int:
 
 def model_info(path: str | Path | None) -> ModelInfo:
     """Reads a model's config and shape without loading weights; raises NInferError (ModelLoadError) with a remedy
-    when the path is not a usable model. Cached by path, size and modification time."""
+    when the path is not a usable model. Cached by path, size and modification time. An ``hf:ORG/REPO[:QUANT]``
+    reference is looked up in the hub cache only: a check never downloads."""
     from engine.errors import ModelLoadError
+    from engine.library.resolve import is_hf_spec, resolve_hf
     from engine.model.loader import resolve_model_path
 
-    p = resolve_model_path(str(path) if path else None)
+    if is_hf_spec(path):
+        p = resolve_hf(str(path), download_missing=False)
+    else:
+        p = resolve_model_path(str(path) if path else None)
     stat = p.stat()
     key = (str(p), stat.st_mtime_ns, stat.st_size)
     if key in _INFO_CACHE:

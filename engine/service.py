@@ -325,6 +325,8 @@ class LocalService:
             self.progress, self.message, self.status = 1.0, "ready", READY
             self.ready_at = time.monotonic()
             self.ready.set()
+            from engine.library import usage
+            usage.record(loaded.path)
             log.info("ready: %s on %s, context %d tokens, %d KV pages, loaded in %.1f s", loaded.path.name,
                      loaded.device, loaded.context_window, loaded.engine.pool.num_pages, loaded.load_seconds)
         except LoadCancelled as e:

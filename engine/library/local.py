@@ -29,6 +29,13 @@ class LocalModel:
     problem: str = ""  # why the header could not be read, "" when it was
 
     @property
+    def last_used(self) -> float | None:
+        """When this model last finished loading here (seconds since the epoch), None when never."""
+        from engine.library.usage import last_used
+
+        return last_used(self.path)
+
+    @property
     def model_arg(self) -> str:
         """What to pass as the model: the hf: reference for the hub cache, the file's path otherwise."""
         if self.source == HF:

@@ -1,6 +1,7 @@
 """Fixtures for the desktop app's tests (pytest-qt, offscreen).
 
-- ``app_home``: NINFER_HOME points at a temporary folder for the whole package (settings, presets, conversations).
+- ``app_home`` (for every test here): NINFER_HOME points at a temporary folder for the whole package (settings,
+  presets, conversations, the models' last use).
 - ``qloop``: a qasync event loop marked as already running on the test's QApplication, so the app's coroutines run
   whenever Qt processes events (qtbot.waitUntil / qWait). It is taken down at the end of the package, so tests in
   other folders never see a running loop.
@@ -25,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="package", autouse=True)
 def app_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("ninfer-home")
     old = os.environ.get("NINFER_HOME")

@@ -93,6 +93,7 @@ def test_switch_the_model_on_the_same_port(tmp_path):
     is gone. A missing file is refused before anything is unloaded."""
     import shutil
 
+    from engine.library import usage
     from engine.model.default import default_model_path
 
     other = tmp_path / "other-model.gguf"
@@ -115,6 +116,7 @@ def test_switch_the_model_on_the_same_port(tmp_path):
         assert during.headers["Retry-After"] == "2" and "switching to the model 'other-model'" in during.text
         assert service.wait_ready(240), service.load_error
         assert service.port == port and service.model_ids == ["other-model"]
+        assert usage.last_used(other) is not None  # the library's "last used" column
         models = httpx.get(service.url + "/models", timeout=10).json()["data"]
         assert [m["id"] for m in models] == ["other-model"]
         after = httpx.post(service.url + "/chat/completions", json=dict(chat, model="other-model"), timeout=120)

@@ -91,3 +91,23 @@ def test_remove_deletes_our_downloads_and_refuses_other_stores(tiny_repo, hf_hom
     with pytest.raises(libhub.LibraryError, match="belongs to ollama") as e:
         local.remove(ollama)
     assert "ollama rm tiny:latest" in e.value.remedy and ollama.path.exists()
+
+
+def test_last_use_is_recorded_per_model_file(tmp_path, monkeypatch):
+    """A model's last use is kept by its real path (a link to it shares it) in NINFER_HOME's data folder; a model
+    never loaded has none."""
+    import time
+
+    from engine.library import usage
+
+    monkeypatch.setenv("NINFER_HOME", str(tmp_path / "home"))
+    used, unused = write_gguf(tmp_path / "used.gguf"), write_gguf(tmp_path / "unused.gguf")
+    link = tmp_path / "link.gguf"
+    link.symlink_to(used)
+    before = time.time()
+    usage.record(link)
+    listed = {m.path.name: m for m in local.folder_models(tmp_path)}
+    assert before <= listed["used.gguf"].last_used <= time.time()
+    assert listed["unused.gguf"].last_used is None
+    usage.record(used, when=1000.0)
+    assert usage.last_used(link) == 1000.0 and usage.usage_file() == tmp_path / "home" / "data" / "last-used.json"
