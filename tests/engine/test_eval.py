@@ -122,8 +122,9 @@ def test_usage_errors_name_the_problem(tiny, capsys):
     assert "kv_dtype" in err and "--url" in err
     assert cli.main(["needle", "--lengths", "512,lots"]) == 2
     assert "'512,lots' is not whole numbers" in capsys.readouterr().err
-    assert cli.main(["kld", "--url", "http://127.0.0.1:9"]) == 2
-    assert "in process only" in capsys.readouterr().err
+    assert cli.main(["kld", str(folder), "--text", str(text), "--ctx", "64", "--url", "http://127.0.0.1:9",
+                     "--no-progress"]) == 1
+    assert "Cannot reach http://127.0.0.1:9/v1/models" in capsys.readouterr().err
     assert cli.main(["kld", str(folder), "--text", str(text), "--ctx", "8"]) == 1
     assert "--ctx" in capsys.readouterr().err
 

@@ -15,9 +15,10 @@ from engine.errors import NInferError
 from engine.tools.eval import count, kld, needle
 
 CHECKS = {"kld": kld, "needle": needle, "count": count}
-IN_PROCESS_ONLY = {"kld"}
 # ninfer-serve settings that mean something with --url: how to reach the server's model
 URL_SETTINGS = {"api_key", "model_id"}
+# checks whose engine settings still apply with --url: they build the reference in process (kld)
+REFERENCE_IN_PROCESS = {"kld"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Measure a configuration before trusting it. Engine settings are ninfer-serve's (see ninfer-serve --help): "
         "give them after the check, e.g. ninfer-eval kld --kv-dtype k8v4."))
     sub = p.add_subparsers(dest="check", metavar="CHECK", required=True, parser_class=_Parser)
-    helps = {"kld": "KL divergence, top-1 agreement and perplexity against a reference configuration (in process)",
+    helps = {"kld": "KL divergence, top-1 agreement and perplexity against a reference configuration (in process, "
+                    "or a server's top-k logprobs with --url)",
              "needle": "pass-key retrieval over a grid of context lengths x depths; a table and a heatmap PNG",
              "count": "count a word's occurrences spread over the whole prompt (needs every part of the context)"}
     for name, module in CHECKS.items():
@@ -41,9 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "skipped, new ones appended (default: none, nothing kept)")
         s.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the summary as JSON")
         s.add_argument("--no-progress", action="store_true", help="no progress bar on the terminal")
-        if name not in IN_PROCESS_ONLY:
-            s.add_argument("--url", default=None, help="evaluate an OpenAI-compatible server (its /v1/completions) "
-                           "instead of the engine in process; --api-key / NINFER_API_KEY and --model-id apply")
+        s.add_argument("--url", default=None, help="evaluate an OpenAI-compatible server (its /v1/completions) "
+                       "instead of the engine in process; --api-key / NINFER_API_KEY and --model-id apply"
+                       + ("; the engine settings then describe the reference, run in process"
+                          if name in REFERENCE_IN_PROCESS else ""))
         module.add_arguments(s)
     return p
 
@@ -53,17 +56,13 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Any]:
     from engine.config import ConfigError, load_settings
 
     args, rest = build_parser().parse_known_args(argv)
-    if args.check in IN_PROCESS_ONLY and any(a == "--url" or a.startswith("--url=") for a in rest):
-        raise NInferError(f"ninfer-eval: {args.check} compares full-vocabulary logits and runs in process only; "
-                          f"--url is not available for it.", "Drop --url and give the engine settings instead "
-                          "(ninfer-serve's flags).")
     try:
         settings, warnings = load_settings(rest)
     except ConfigError as e:
         raise NInferError(f"{e}", e.remedy + " Engine settings are ninfer-serve's (ninfer-serve --help).") from None
     for w in warnings:
         print(f"ninfer-eval: warning: {w}", file=sys.stderr)
-    if getattr(args, "url", None):
+    if getattr(args, "url", None) and args.check not in REFERENCE_IN_PROCESS:
         ignored = sorted(n for n, src in settings.sources.items() if src.startswith(("flag:", "arg:"))
                          and n not in URL_SETTINGS)
         if ignored:

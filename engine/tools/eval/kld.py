@@ -42,6 +42,11 @@ def add_arguments(p) -> None:
     p.add_argument("--ref-logits", type=Path, default=None, metavar="DIR",
                    help="keep the reference's logits in this folder (fp32, one file per segment) and reuse them: "
                         "later candidates against the same reference and text skip the reference run")
+    p.add_argument("--top-logprobs", type=int, default=20, metavar="K",
+                   help="with --url: top logprobs asked of the server per position (default 20, the OpenAI "
+                        "maximum); the KLD is then a lower bound (docs/EVAL.md)")
+    p.add_argument("--stride", type=int, default=1, metavar="N",
+                   help="with --url: score every N-th position (one request each; default 1, every position)")
 
 
 def reference_overrides(ref_flags: str) -> tuple[str | None, dict[str, Any]]:
@@ -138,11 +143,18 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
     ref_settings = {**{k: getattr(settings, k) for k in ENGINE_KEYS}, **ref_over, "model": str(ref_path)}
     ref_key = config_key({"reference": ref_settings, "text": text_hash, "ctx": args.ctx})
     key = config_key({"candidate": {k: getattr(settings, k) for k in ENGINE_KEYS}, "reference": ref_key})
+    if args.url:
+        if args.top_logprobs < 1 or args.stride < 1:
+            raise NInferError("--top-logprobs and --stride must be 1 or more.", "E.g. --top-logprobs 20 --stride 4.")
+        key = config_key({"candidate": {"url": args.url, "model": settings.model_id, "k": args.top_logprobs,
+                                        "stride": args.stride}, "reference": ref_key})
     results = ResultsFile(results_path, "kld", key)
     todo = [i for i in range(len(segs)) if f"segment-{i}" not in results.done]
     info: dict[str, Any] = {"candidate": None, "text": path.name, "tokens": len(ids), "ctx": args.ctx, "key": key,
                             "resumed": len(segs) - len(todo)}
-    if todo:
+    if todo and args.url:
+        _score_server(args, settings, segs, todo, results, info, progress, tok, (ref_over, ref_path, ref_key))
+    elif todo:
         candidate = EngineTarget(settings, NO_PREFIX_REUSE)
         reference = None
         try:
@@ -164,7 +176,37 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
             if reference is not None:
                 reference.close()
     rows = [results.done[f"segment-{i}"] for i in range(len(segs))]
-    return {**info, **summarise(rows)}
+    summary = {**info, **summarise(rows)}
+    if args.url and summary["positions"]:
+        summary.update(bound=True, top_logprobs=args.top_logprobs, stride=args.stride,
+                       next_in_top=sum(r["next_in_top"] for r in rows) / summary["positions"])
+    return summary
+
+
+def _score_server(args, settings, segs, todo, results, info, progress, tok, ref) -> None:
+    """kld --url: the server's top-k logprobs against the reference in process (kld_url.py); ``ref`` is the
+    reference's (overrides, model path, key)."""
+    from engine.tools.eval.kld_url import score_segment, text_buckets
+    from engine.tools.eval.target import EngineTarget, RemoteTarget
+
+    ref_over, ref_path, ref_key = ref
+    remote, reference = RemoteTarget(args.url, settings.api_key, (settings.model_id or [None])[0]), None
+    try:
+        info["candidate"] = {"url": remote.url, "model": remote.model}
+        buckets = text_buckets(tok)
+        id_text = [tok.token_text(i) for i in range(tok.vocab_size)]
+        for i in progress(todo, desc="kld", unit="segment"):
+            ref_logits = _cached(args.ref_logits, ref_key, i)
+            if ref_logits is None:
+                reference = reference or EngineTarget(settings, {**ref_over, **NO_PREFIX_REUSE}, model=ref_path)
+                ref_logits = reference.logits(segs[i])
+                _store(args.ref_logits, ref_key, i, ref_logits)
+            results.add(f"segment-{i}", score_segment(remote, ref_logits, segs[i], args.top_logprobs,
+                                                      args.stride, buckets, id_text))
+    finally:
+        remote.close()
+        if reference is not None:
+            reference.close()
 
 
 def _cache_file(folder: Path, ref_key: str, i: int) -> Path:
@@ -197,13 +239,22 @@ def _store(folder: Path | None, ref_key: str, i: int, logits: torch.Tensor) -> N
 def format_table(summary: dict[str, Any], command: str) -> str:
     c = summary["candidate"]
     lines = [f"ninfer-eval kld: {command}"]
-    if c:
+    if c and "url" in c:
+        lines.append(f"  candidate: {c['model']} at {c['url']}")
+    elif c:
         lines.append(f"  candidate: {c['weights']} weights, {c['kv']} KV, window {c['window']} ({c['model']}, "
                      f"{c['device']})")
     lines += [f"  text: {summary['text']}, {summary['tokens']} tokens in {summary['segments']} segment{'s' if summary['segments'] != 1 else ''} of up to "
               f"{summary['ctx']}; {summary['positions']} positions scored"
-              + (f" ({summary['resumed']} segments from the results file)" if summary["resumed"] else ""), "",
-              "| KLD mean | KLD p99 | KLD p99.9 | KLD max | top-1 agreement | PPL | PPL reference |",
+              + (f" ({summary['resumed']} segments from the results file)" if summary["resumed"] else "")]
+    if summary.get("bound"):
+        lines.append(f"  from the server's top-{summary['top_logprobs']} logprobs at every "
+                     f"{'' if summary['stride'] == 1 else str(summary['stride']) + 'th '}position (the next token was in them at {100 * summary['next_in_top']:.1f}%): values marked "
+                     f"≥ are lower bounds of the full-vocabulary ones")
+    lines += ["",
+              "| KLD mean | KLD p99 | KLD p99.9 | KLD max | top-1 agreement | PPL | PPL reference |"
+              if not summary.get("bound") else "| KLD mean ≥ | KLD p99 ≥ | KLD p99.9 ≥ | KLD max ≥ | top-1 agreement"
+              " | PPL ≥ | PPL reference |",
               "|---|---|---|---|---|---|---|",
               (f"| {summary['kld_mean']:.6f} | {summary['kld_p99']:.6f} | {summary['kld_p999']:.6f} | "
                f"{summary['kld_max']:.6f} | {100 * summary['top1_agreement']:.2f}% | {summary['ppl']:.4f} | "

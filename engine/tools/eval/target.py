@@ -163,6 +163,23 @@ class RemoteTarget:
             raise NInferError(f"{self.url}/completions answered without choices[0].text: {str(reply)[:300]}",
                               "Use a server with the OpenAI completions endpoint.") from None
 
+    def next_token_top(self, ids: list[int], k: int) -> list[tuple[str, float]]:
+        """The server's top-``k`` (token text, logprob) for the token after ``ids`` (sent as token ids): one greedy
+        token asked with ``logprobs``. Reads the completions format (``top_logprobs``: a list of {text: logprob})
+        and the chat format (``content``: [{top_logprobs: [{token, logprob}]}]) that some servers answer with."""
+        reply = self._post("/completions", {"model": self.model, "prompt": list(ids), "max_tokens": 1,
+                                            "temperature": 0.0, "logprobs": k})
+        try:
+            lps = reply["choices"][0]["logprobs"]
+            if isinstance(lps.get("top_logprobs"), list) and lps["top_logprobs"]:
+                return [(str(t), float(v)) for t, v in lps["top_logprobs"][0].items()]
+            first = lps["content"][0]["top_logprobs"]
+            return [(str(e["token"]), float(e["logprob"])) for e in first]
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError):
+            raise NInferError(f"{self.url}/completions answered without the top logprobs of the next token: "
+                              f"{str(reply)[:300]}", "Use a server whose /v1/completions takes token-id prompts "
+                              "and returns logprobs (ninfer-serve, llama.cpp's llama-server, vLLM).") from None
+
     def count_tokens(self, text: str) -> int | None:
         return None  # the server's tokenizer is not known here
 
