@@ -17,13 +17,13 @@ import os
 import socket
 import sys
 import tomllib
-from dataclasses import field, make_dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from engine.errors import NInferError
 from engine.kv.settings import kv_note, kv_tier_problems
 from engine.modes import load_modes
+from engine.settings import Settings
 from engine.settings_table import ENV_ALLOWED, ENV_ALLOWED_PREFIXES, GROUPS, SETTINGS, Setting
 from engine.settings_table import show_value as _show
 
@@ -48,28 +48,6 @@ class ConfigError(NInferError):
         head = f"{n} problem{'' if n == 1 else 's'} with the NInfer settings:"
         super().__init__("\n".join([head, *(f"  - {p}" for p in self.problems)]))
         self.remedy = "Fix each setting as described (see docs/CONFIG.md) and start again."
-
-
-def _source_of(self: Any, name: str) -> str:
-    """Where the effective value of setting ``name`` came from, e.g. "default" or "flag:--port"."""
-    if name not in BY_NAME:
-        raise KeyError(f"no setting named {name!r}")
-    return self.sources.get(name, "default")
-
-
-def _default_factory(s: Setting) -> Any:
-    return (lambda d=s.default: list(d)) if isinstance(s.default, list) else (lambda d=s.default: d)
-
-
-# One attribute per setting (holding the effective value), generated from the table so nothing is declared twice.
-Settings = make_dataclass(
-    "Settings",
-    [(s.name, Any, field(default_factory=_default_factory(s))) for s in SETTINGS]
-    + [("sources", dict, field(default_factory=dict)),  # setting name -> source string
-       ("print_config", bool, False), ("preset", Any, None), ("config", Any, None)],
-    namespace={"source": _source_of, "__doc__": "Effective settings: one attribute per Setting.name, plus sources."},
-)
-Settings.__module__ = __name__
 
 
 # ---------------------------------------------------------------- values
@@ -253,7 +231,7 @@ def _flag_layer(ns: argparse.Namespace, problems: list[str]) -> Layer:
 
 def _resolve(layers: list[Layer], problems: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
     """Apply the layers in order over the defaults; collect bad values, unavailable features and bad combinations."""
-    values = {s.name: _default_factory(s)() for s in SETTINGS}
+    values = {s.name: list(s.default) if isinstance(s.default, list) else s.default for s in SETTINGS}
     sources = {s.name: "default" for s in SETTINGS}
     for layer in layers:
         for name, (raw, source) in layer.items():

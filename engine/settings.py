@@ -1,0 +1,90 @@
+"""Settings: every effective setting as one typed dataclass attribute, plus where each value came from.
+
+engine.config.load_settings builds it from flags, environment, TOML files and presets. The schema
+(engine/settings_table.py) is the single source of each setting's flag, variable, help, validation and default;
+the fields here only give each one its type for readers, editors and type checkers, and take the default from the
+schema (tests/engine/test_settings_fields.py checks that the two agree, name for name and type for type)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.settings_table import SETTINGS
+
+_DEFAULTS = {s.name: s.default for s in SETTINGS}
+
+
+def _default(name: str) -> Any:
+    return field(default=_DEFAULTS[name])
+
+
+def _list(name: str) -> Any:
+    return field(default_factory=lambda: list(_DEFAULTS[name]))
+
+
+@dataclass
+class Settings:
+    """Effective settings: one attribute per setting (engine/settings_table.py), plus `sources`."""
+    # server
+    model: str | None = _default("model")
+    host: str = _default("host")
+    port: int = _default("port")
+    model_id: list[str] = _list("model_id")
+    model_alias: list[str] = _list("model_alias")
+    log_level: str = _default("log_level")
+    api_key: str | None = _default("api_key")
+    insecure_no_auth: bool = _default("insecure_no_auth")
+    cors_origins: list[str] = _list("cors_origins")
+    max_queue: int = _default("max_queue")
+    max_body_mib: int = _default("max_body_mib")
+    # model
+    device: str = _default("device")
+    weight_dtype: str = _default("weight_dtype")
+    max_context: int = _default("max_context")
+    allow_lossy_format: bool = _default("allow_lossy_format")
+    gdn_state_fp16: bool = _default("gdn_state_fp16")
+    # memory
+    kv_capacity: int | str = _default("kv_capacity")
+    kv_headroom_mib: int = _default("kv_headroom_mib")
+    kv_dtype: str = _default("kv_dtype")
+    host_kv_mib: int = _default("host_kv_mib")
+    max_shared_prefixes: int | str = _default("max_shared_prefixes")
+    kv_window: int = _default("kv_window")
+    kv_retrieve: int = _default("kv_retrieve")
+    kv_ring: str = _default("kv_ring")
+    allow_lossy_window: bool = _default("allow_lossy_window")
+    host_pageable: bool = _default("host_pageable")
+    kv_reuse_hostbacked: bool = _default("kv_reuse_hostbacked")
+    # speculative
+    spec: str = _default("spec")
+    draft_tokens: int = _default("draft_tokens")
+    draft_model: str | None = _default("draft_model")
+    lm_head_draft: bool = _default("lm_head_draft")
+    # sampling
+    default_max_tokens: int = _default("default_max_tokens")
+    default_reasoning_effort: str = _default("default_reasoning_effort")
+    mode: str = _default("mode")
+    temperature: float | None = _default("temperature")
+    top_p: float | None = _default("top_p")
+    top_k: int | None = _default("top_k")
+    min_p: float | None = _default("min_p")
+    presence_penalty: float | None = _default("presence_penalty")
+    frequency_penalty: float | None = _default("frequency_penalty")
+    greedy: bool = _default("greedy")
+    # performance
+    threads: int = _default("threads")
+    cuda_graphs: str = _default("cuda_graphs")
+    prefill_cublas: bool = _default("prefill_cublas")
+    prefill_chunk: int = _default("prefill_chunk")
+    max_concurrency: int = _default("max_concurrency")
+    # how they were given
+    sources: dict[str, str] = field(default_factory=dict)  # setting name -> where its value came from
+    print_config: bool = False
+    preset: str | None = None
+    config: str | None = None
+
+    def source(self, name: str) -> str:
+        """Where the effective value of setting `name` came from, e.g. "default" or "flag:--port"."""
+        if name not in _DEFAULTS:
+            raise KeyError(f"no setting named {name!r}")
+        return self.sources.get(name, "default")
