@@ -24,6 +24,7 @@ from engine.errors import ModelLoadError, NInferError
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 _FOLDER_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _NO_TEMPLATE_REMEDY = "Use /v1/completions with a plain prompt, or pass a chat template."
+RELEASE_GIL_CHARS = 8192  # texts at least this long are encoded with the GIL released (Tokenizer.encode)
 
 
 class Tokenizer:
@@ -114,7 +115,12 @@ class Tokenizer:
     # ----- text <-> ids -----
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """The token ids of `text`. A long text is encoded with the GIL released (tokenizers' encode_batch; encode
+        holds it throughout, and a 1M-character prompt takes seconds), so the server's event loop and other threads
+        run meanwhile; the ids are the same."""
+        if len(text) < RELEASE_GIL_CHARS:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
