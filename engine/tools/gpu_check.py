@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from engine.memory.geometry import PAGE_SIZE
 from engine.model.config import ModelConfig
 from engine.model.linear import PREFILL_DENSE_ROWS
 from engine.model.llama import LlamaModel
@@ -170,7 +171,7 @@ def attention(device: torch.device, shape: Shape, ms, tiny: bool, copy_gbps: flo
     the step reads (codes and scales for the quantized formats)."""
     rows = []
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    page = 64
+    page = PAGE_SIZE
     for fmt in KV_FORMATS:
         for ctx in ((256, 1024) if tiny else (4096, 32768, 131072)):
             pages = ctx // page
@@ -224,7 +225,7 @@ def end_to_end(device: torch.device, shape: Shape, fmt: str, copy_gbps: float, c
     # CUDA graphs on a GPU (the static decode path called directly elsewhere), and --prefill-cublas: each is timed
     # on and off over the same runner (runner.graphs / the scratch's row threshold switched)
     cuda = device.type == "cuda"
-    runner = ModelRunner(model, -(-(prompt_len + steps + 1) // 64), "bf16" if cuda else "fp32", 64,
+    runner = ModelRunner(model, -(-(prompt_len + steps + 1) // PAGE_SIZE), "bf16" if cuda else "fp32", PAGE_SIZE,
                          prefill_cublas=True, cuda_graphs="on" if cuda else "off", static_decode=not cuda)
     pages = runner.pool.allocate(runner.pool.num_pages)
     g = torch.Generator().manual_seed(0)

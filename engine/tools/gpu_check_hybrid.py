@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.memory.geometry import PAGE_SIZE
 from engine.memory.state import SeqState
 from engine.model.config import LinearAttentionConfig, ModelConfig
 from engine.model.qwen35 import Qwen35Model
@@ -92,7 +93,7 @@ def end_to_end_hybrid(device: torch.device, shape: HybridShape, fmt: str, copy_g
                                                        .total_memory), device)
         torch.cuda.reset_peak_memory_stats(device)
     model = synthetic_hybrid(shape, layers, fmt, device)
-    runner = ModelRunner(model, -(-(depths[-1] + 2 * steps + 2) // 64), "bf16" if cuda else "fp32", 64,
+    runner = ModelRunner(model, -(-(depths[-1] + 2 * steps + 2) // PAGE_SIZE), "bf16" if cuda else "fp32", PAGE_SIZE,
                          cuda_graphs="on" if cuda else "off", static_decode=not cuda, state_slots=1, max_batch=1)
     pages, state = runner.pool.allocate(runner.pool.num_pages), SeqState(runner.state.allocate())
     g = torch.Generator().manual_seed(0)
