@@ -131,14 +131,15 @@ def download(f: HubFile, *, on_progress: Callable[[DownloadProgress], None] | No
         verify(path, f.sha256, cancel)
         return path
     from huggingface_hub import get_hf_file_metadata
-    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+    from huggingface_hub.utils import WeakFileLock
 
     from engine.library import transfer
-    from engine.library.hub import _hub_error, file_url
+    from engine.library.hub import _hub_error, auth_headers, file_url
+    from engine.library.token import load_token
 
     url = file_url(f)
     try:
-        meta = get_hf_file_metadata(url, endpoint=endpoint())
+        meta = get_hf_file_metadata(url, token=load_token(), endpoint=endpoint())
     except Exception as e:  # the hub client's HTTP errors, each named by _hub_error
         raise _hub_error(e, f"download {f.repo_id}/{f.filename}") from e
     if not meta.etag or not meta.commit_hash:
@@ -155,7 +156,7 @@ def download(f: HubFile, *, on_progress: Callable[[DownloadProgress], None] | No
         partial = None if blob.exists() else blob.with_name(etag + ".incomplete")
         if partial is not None:
             try:
-                transfer.transfer(meta.location or url, build_hf_headers(), partial, size, f.sha256, bar.report,
+                transfer.transfer(meta.location or url, auth_headers(), partial, size, f.sha256, bar.report,
                                   cancel)
             except transfer._Cancelled:
                 raise DownloadCancelled(f"The download of {f.filename} was cancelled.",

@@ -34,7 +34,9 @@ def offline() -> bool:
 def _api():
     from huggingface_hub import HfApi
 
-    return HfApi(endpoint=endpoint())
+    from engine.library.token import load_token
+
+    return HfApi(endpoint=endpoint(), token=load_token())
 
 
 def quant_of(filename: str) -> str:
@@ -83,7 +85,8 @@ def _hub_error(e: Exception, what: str) -> LibraryError:
                             "Unset HF_HUB_OFFLINE to search and download; models already downloaded still work.")
     if isinstance(e, GatedRepoError):
         return LibraryError(f"Cannot {what}: the repository is gated and needs an accepted licence and a token.",
-                            "Accept its terms on the hub, then log in with `hf auth login` (or set HF_TOKEN).")
+                            "Accept its terms on the hub, then give a token: the app's model library keeps "
+                            "it in the OS keyring; or log in with `hf auth login`, or set HF_TOKEN.")
     if isinstance(e, RepositoryNotFoundError):
         return LibraryError(f"Cannot {what}: no such repository on {endpoint()} (or it is private).",
                             "Check the ORG/REPO name; for a private repository log in with `hf auth login`.")
@@ -156,4 +159,6 @@ def file_url(f: HubFile) -> str:
 def auth_headers() -> dict[str, str]:
     from huggingface_hub.utils import build_hf_headers
 
-    return build_hf_headers()
+    from engine.library.token import load_token
+
+    return build_hf_headers(token=load_token())
