@@ -9,6 +9,9 @@
     needle.py    pass-key needles over a grid of context lengths x depths, several seeds each
     count.py     counting a word spread over the whole prompt
     heatmap.py   the needle grid as a PNG (standard library only)
+    code.py      small programming problems (HumanEval format) run with their tests in the sandbox
+    sandbox.py   runs an untrusted program under limits and says how it ended
+    stats.py     confidence intervals of pass rates
 
 Imports run one way: cli.py imports the checks, which import target.py, results.py and heatmap.py (or nothing of
 this package).
