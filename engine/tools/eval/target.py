@@ -52,14 +52,14 @@ class EngineTarget:
     def context_window(self) -> int:
         return self.loaded.context_window
 
-    def _run_capturing(self, works: list[Work]) -> list[torch.Tensor | None]:
+    def _run_capturing(self, works: list[Work], *more, **named) -> list[torch.Tensor | None]:
         if self._capture is None:
-            return self._run(works)
+            return self._run(works, *more, **named)
         asked = [w.logits for w in works]
         for w in works:
             w.logits = "all"
         try:
-            rows = self._run(works)
+            rows = self._run(works, *more, **named)
         finally:
             for w, a in zip(works, asked):
                 w.logits = a
