@@ -22,6 +22,7 @@ from app import logs
 from app.appconfig import AppConfig, with_server
 from app.asyncutil import spawn
 from app.backend import BackendMixin
+from app.library_control import LibraryMixin
 from app.client import ApiClient, Endpoint
 from app.launcher import LauncherWindow
 from app.qtcompat import guard_none_refcount
@@ -32,7 +33,7 @@ log = logging.getLogger("ninfer.app")
 MODE_POLL_MS = 1000
 
 
-class Controller(BackendMixin, QObject):
+class Controller(LibraryMixin, BackendMixin, QObject):
     state_changed = Signal()
     mode_changed = Signal(object, object)  # mode ("chat"/"agent", or None: no mode switch), sampling dict
     ready = Signal()  # the embedded engine is serving and the chat is connected to it
@@ -62,6 +63,8 @@ class Controller(BackendMixin, QObject):
         self.confirm_quit = confirm_quit or self._ask_quit
         self.quit_app = quit_app or QApplication.quit
         self.window = None
+        self.library = None  # the model library window, made when first shown
+        self.switching = False  # the running engine is switching to another model
         self.tray = Tray(self, self.has_tray)
         self.launcher = LauncherWindow(self, env)
         self._poll_timer = QTimer(self, interval=100)
@@ -245,8 +248,11 @@ class Controller(BackendMixin, QObject):
         self.launcher.loading_finished(True)
         if self.quitting:
             return
+        switched, self.switching = self.switching, False
         if self.window is None or self.launcher.isVisible():
             self.show_main()
+        elif switched:
+            self.window.statusBar().showMessage(f"Now serving {', '.join(s.model_ids)} at {s.url}", 10000)
         else:  # started again from the tray while the window stays hidden
             self.tray.notify("NInfer is serving", f"The API answers at {s.url}.")
         self.state_changed.emit()
@@ -370,6 +376,8 @@ class Controller(BackendMixin, QObject):
             self.window.monitor.timer.stop()
             self.window.close()
         self.launcher.close()
+        if self.library is not None:
+            self.library.close()
         if self.client is not None:
             await self.client.aclose()
             self.client = None

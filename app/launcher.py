@@ -120,6 +120,10 @@ class LauncherWindow(PresetsMixin, QWidget):
         gguf.clicked.connect(self.browse_file)
         folder = QPushButton("HF folder…")
         folder.clicked.connect(self.browse_folder)
+        library = QPushButton("Library…")
+        library.setToolTip("Find, download and pick models: Hugging Face, LM Studio, Ollama, your folders.")
+        library.clicked.connect(self.controller.show_library)
+        model_row.addWidget(library)
         model_row.addWidget(gguf)
         model_row.addWidget(folder)
         picks.addRow("Model", model_row)
@@ -193,7 +197,8 @@ class LauncherWindow(PresetsMixin, QWidget):
         i = self.model_combo.findData(path)
         if i < 0:
             p = Path(path)
-            self.model_combo.addItem(f"{p.name}  —  {p.parent}", path)
+            self.model_combo.addItem(f"{path}  —  Hugging Face cache" if path.startswith("hf:") else
+                                     f"{p.name}  —  {p.parent}", path)
             i = self.model_combo.count() - 1
             self.model_combo.setItemData(i, path, Qt.ItemDataRole.ToolTipRole)
         return i

@@ -75,6 +75,7 @@ class MainWindow(QMainWindow):
         file.addAction("Import conversation…", lambda: self.import_conversation())
         self.export_action = file.addAction("Export conversation…", lambda: self.export_conversation())
         file.addSeparator()
+        file.addAction("Model library…", c.show_library)
         file.addAction("Change model or settings…", lambda: spawn(c.back_to_launcher()))
         file.addSeparator()
         quit_action = file.addAction("Quit", lambda: spawn(c.quit()))

@@ -1,0 +1,143 @@
+"""The model library's "On this computer" tab (Qt): the GGUF models in the Hugging Face cache, LM Studio's and
+Ollama's stores and the folders the user added, with architecture, parameters, quant, context, size and last use;
+Load one, or Remove a download of ours. The scan reads headers only and runs on a worker thread."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QMessageBox,
+                               QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from engine.library.hub import LibraryError
+from engine.library.local import LocalModel
+
+from app import theme
+from app.asyncutil import spawn
+from app.library_rows import context_text, last_used_text, params_text, size_text
+
+COLUMNS = ("Model", "From", "Architecture", "Parameters", "Quant", "Context", "Size", "Last used")
+FOLDERS_KEY = "library_folders"
+
+
+class LocalPanel(QWidget):
+    def __init__(self, controller):
+        super().__init__()
+        self.controller = controller
+        self.models: list[LocalModel] = []
+        self.scans = 0  # finished scans (tests wait on it)
+        # asks before deleting a download from disk; replaced in tests
+        self.confirm_remove = self._confirm_remove
+        outer = QVBoxLayout(self)
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
+        self.table.verticalHeader().setVisible(False)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
+        for c in range(1, len(COLUMNS)):
+            header.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
+        self.table.itemSelectionChanged.connect(self._picked)
+        self.table.doubleClicked.connect(lambda *_: self.load())
+        outer.addWidget(self.table, 1)
+        row = QHBoxLayout()
+        self.status = QLabel()
+        self.status.setObjectName("Muted")
+        self.status.setWordWrap(True)
+        self.add_button = QPushButton("Add folder…")
+        self.add_button.clicked.connect(self.add_folder)
+        self.refresh_button = QPushButton("Refresh")
+        self.refresh_button.clicked.connect(self.refresh)
+        self.remove_button = QPushButton("Remove…")
+        self.remove_button.clicked.connect(self.remove)
+        self.load_button = QPushButton("Load")
+        self.load_button.setObjectName("Primary")
+        self.load_button.clicked.connect(self.load)
+        row.addWidget(self.status, 1)
+        for b in (self.add_button, self.refresh_button, self.remove_button, self.load_button):
+            row.addWidget(b)
+        outer.addLayout(row)
+        self._picked()
+
+    def folders(self) -> list[str]:
+        return [f for f in (self.controller.config.get(FOLDERS_KEY) or []) if isinstance(f, str)]
+
+    def add_folder(self, folder: str | None = None) -> None:
+        if folder is None:
+            folder = QFileDialog.getExistingDirectory(self, "Add a folder of GGUF models", str(Path.home()))
+        if folder:
+            self.controller.config.set(FOLDERS_KEY, [folder] + [f for f in self.folders() if f != folder])
+            self.refresh()
+
+    def refresh(self) -> None:
+        spawn(self._scan(), "library-scan")
+
+    async def _scan(self) -> None:
+        from engine.library.local import scan
+
+        self.status.setText("Looking for models…")
+        folders = [Path(f) for f in self.folders()]
+        models = await asyncio.to_thread(lambda: [(m, m.last_used) for m in scan(folders)])
+        models.sort(key=lambda mw: -(mw[1] or 0))  # the most recently used first
+        self.models = [m for m, _ in models]
+        self.table.setRowCount(len(models))
+        for i, (m, used) in enumerate(models):
+            cells = (m.name, m.source, m.architecture or "?", params_text(m.parameters), m.quant or "?",
+                     context_text(m.context_length), size_text(m.size), last_used_text(used))
+            for c, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setToolTip(str(m.path))
+                if not m.supported:
+                    item.setForeground(QColor(theme.colors()["muted"]))
+                    item.setToolTip(m.problem or f"This engine cannot run the {m.architecture or 'unknown'} "
+                                                 f"architecture.")
+                self.table.setItem(i, c, item)
+        self.scans += 1
+        self.status.setText(f"{len(models)} models on this computer" if models else
+                            "No GGUF models found yet: download one in the Find tab, or add a folder.")
+        self._picked()
+
+    def selected(self) -> LocalModel | None:
+        rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []
+        return self.models[rows[0].row()] if rows and rows[0].row() < len(self.models) else None
+
+    def select(self, name: str) -> None:
+        for i, m in enumerate(self.models):
+            if m.name == name:
+                self.table.selectRow(i)
+
+    def _picked(self) -> None:
+        m = self.selected()
+        self.load_button.setEnabled(m is not None and m.supported)
+        self.remove_button.setEnabled(m is not None)
+
+    def load(self) -> None:
+        m = self.selected()
+        if m is None or not m.supported:
+            return
+        error = self.controller.load_model(m.model_arg)
+        self.status.setText(error or f"Loading {m.name}…")
+
+    def _confirm_remove(self, m: LocalModel) -> bool:
+        answer = QMessageBox.question(self, "Remove the model?", f"Delete {m.name} ({size_text(m.size)}) from disk?")
+        return answer == QMessageBox.StandardButton.Yes
+
+    def remove(self) -> None:
+        m = self.selected()
+        if m is None:
+            return
+        from engine.library.local import HF, remove
+
+        if m.source == HF and not self.confirm_remove(m):
+            return
+        try:
+            freed = remove(m)
+        except LibraryError as e:
+            self.status.setText(str(e))
+            return
+        self.status.setText(f"Removed {m.name}: {size_text(freed)} freed.")
+        self.refresh()
