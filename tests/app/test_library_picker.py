@@ -151,3 +151,50 @@ def test_the_rows_text():
     assert progress_text(DownloadProgress(0, 2**30, 0.0, None)) == "0.0 of 1024.0 MiB · starting"
     assert hub_reference("o/r", "Q4_K_M", 1) == "hf:o/r:Q4_K_M"
     assert hub_reference("o/r", "Q4_K_M", 2) is None and hub_reference("o/r", "", 1) is None
+
+
+def test_cancel_a_download_then_continue_it(qapp, qloop, app_home, hub, hf_home, tmp_path):  # noqa: F811
+    """Cancel stops a download mid-way and leaves nothing the library would load; Download again continues from the
+    bytes on disk (a range request) and the file verifies."""
+    from tests.library.conftest import write_gguf
+
+    data = write_gguf(tmp_path / "Tiny-Q8_0.gguf", pad_mib=4).read_bytes()
+    hub.add(Repo("test-org/Tiny-GGUF", {"Tiny-Q8_0.gguf": data}))
+    hub.rate = 2 * 2**20  # two seconds for the whole file
+    controller = make_controller(app_home, "library-cancel")
+    controller.show_library()
+    find, local = controller.library.find, controller.library.local
+    find.query.setText("tiny")
+    click(find.search_button)
+    wait_until(lambda: find.repos.count() == 1, 20_000)
+    find.repos.setCurrentRow(0)
+    wait_until(lambda: "Tiny-Q8_0.gguf" in find.marks, 30_000)
+    find.select_file("Tiny-Q8_0.gguf")
+    reports: list[DownloadProgress] = []
+    find.progress_signal.connect(reports.append)
+    click(find.download_button)
+    wait_until(lambda: find.progress_shown >= 1 and "MiB/s" in find.status.text(), 20_000)
+    assert "Downloading Tiny-Q8_0.gguf:" in find.status.text() and " of " in find.status.text()
+    assert 0 < find.progress.value() < 1000
+    click(find.cancel_button)
+    wait_until(lambda: find.downloading is None, 20_000)
+    assert "cancelled" in find.status.text() and not find.load_button.isEnabled()
+    cut_at = reports[-1].done
+    assert 0 < cut_at < len(data)
+    storage = hf_home / "hub" / "models--test-org--Tiny-GGUF"
+    assert not list(storage.glob("snapshots/*/*.gguf"))  # nothing the library lists or loads
+    scans = local.scans
+    local.refresh()
+    wait_until(lambda: local.scans > scans, 20_000)
+    assert local.models == []
+
+    hub.rate = 0
+    reports.clear()
+    click(find.download_button)
+    wait_until(lambda: find.downloading is None, 30_000)
+    assert "verified" in find.status.text() and find.load_button.isEnabled()
+    assert find.paths["Tiny-Q8_0.gguf"].read_bytes() == data
+    resumed = [r for r in hub.requests if r[1].endswith("Tiny-Q8_0.gguf") and r[0] == "GET"][-1]
+    assert resumed[2].startswith("bytes=") and int(resumed[2][6:].split("-")[0]) >= cut_at
+    wait_until(lambda: [m.name for m in local.models] == ["test-org/Tiny-GGUF/Tiny-Q8_0.gguf"], 20_000)
+    run(controller.quit(), 30_000)

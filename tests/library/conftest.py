@@ -71,7 +71,8 @@ class Repo:
 
 
 class StandInHub:
-    """Repositories, plus switches: ``cut`` (filenames whose next GET stops halfway), ``requests`` (a log)."""
+    """Repositories, plus switches: ``cut`` (filenames whose next GET stops halfway), ``rate`` (bytes per second),
+    ``requests`` (a log)."""
 
     def __init__(self):
         self.repos: dict[str, Repo] = {}
@@ -79,6 +80,7 @@ class StandInHub:
         self.requests: list[tuple[str, str, str]] = []  # (method, path, Range header)
         self.lock = threading.Lock()
         self.url = ""
+        self.rate = 0  # bytes per second of a file's body (0: as fast as the loopback goes)
 
     def add(self, repo: Repo) -> Repo:
         self.repos[repo.repo_id] = repo
@@ -183,6 +185,14 @@ def _handler(hub: StandInHub):
                 self.wfile.write(chunk[:len(chunk) // 2])
                 self.wfile.flush()
                 self.close_connection = True
+                return
+            if hub.rate:  # a slow link, for a download one can watch (and cancel)
+                import time
+
+                piece = max(hub.rate // 20, 1)
+                for i in range(0, len(chunk), piece):
+                    self.wfile.write(chunk[i:i + piece])
+                    time.sleep(piece / hub.rate)
                 return
             self.wfile.write(chunk)
 
