@@ -27,6 +27,10 @@ REDRAW_MS = 200
 COLUMNS = ("File", "Quant", "Size", "Fit on this computer")
 
 
+def _files(n: int) -> str:
+    return f"{n} GGUF file{'s' if n != 1 else ''}"
+
+
 class FindPanel(QWidget):
     progress_signal = Signal(object)  # DownloadProgress, emitted on the download thread
     downloaded = Signal(str)  # the local path of a finished download
@@ -134,7 +138,7 @@ class FindPanel(QWidget):
             item = QListWidgetItem(f"{r.repo_id}\n{facts}")
             item.setData(Qt.ItemDataRole.UserRole, r.repo_id)
             self.repos.addItem(item)
-        self.status.setText(f"{len(results)} repositories" if results else f"Nothing found for {query!r}.")
+        self.status.setText(f"{len(results)} repositor{'ies' if len(results) != 1 else 'y'}" if results else f"Nothing found for {query!r}.")
 
     def _repo_picked(self, item: QListWidgetItem | None, _previous=None) -> None:
         if item is not None:
@@ -165,7 +169,7 @@ class FindPanel(QWidget):
         for i, f in enumerate(files):
             for c, text in enumerate((f.filename, f.quant or "?", size_text(f.size), "checking…")):
                 self.files.setItem(i, c, QTableWidgetItem(text))
-        self.status.setText(f"{len(files)} GGUF files in {repo_id}; reading each header to check the fit…")
+        self.status.setText(f"{_files(len(files))} in {repo_id}; reading each header to check the fit…")
         vram, ram = self.memory
         settings = self._settings()
         for i, f in enumerate(files):
@@ -179,7 +183,7 @@ class FindPanel(QWidget):
             item.setForeground(QColor(theme.colors()[colour]))
             self.files.setItem(i, 3, item)
         where = f"{vram:,} MiB VRAM free" if vram else "no GPU"
-        self.status.setText(f"{len(files)} GGUF files in {repo_id}; marks for {where} and {ram:,} MiB RAM available, "
+        self.status.setText(f"{_files(len(files))} in {repo_id}; marks for {where} and {ram:,} MiB RAM available, "
                             f"with the launcher's settings.")
         self._file_picked()
 

@@ -97,7 +97,7 @@ class LocalPanel(QWidget):
                                                  f"architecture.")
                 self.table.setItem(i, c, item)
         self.scans += 1
-        self.status.setText(f"{len(models)} models on this computer" if models else
+        self.status.setText(f"{len(models)} model{'s' if len(models) != 1 else ''} on this computer" if models else
                             "No GGUF models found yet: download one in the Find tab, or add a folder.")
         self._picked()
 

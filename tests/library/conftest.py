@@ -63,6 +63,7 @@ class Repo:
     files: dict[str, bytes]
     architecture: str = "llama"
     downloads: int = 10
+    parameters: int = 1000  # what the hub's GGUF summary reports
     gated_token: str = ""  # when set, the repository answers 401 (gated) to requests without this token
     published: dict[str, str] = field(default_factory=dict)  # filename -> sha256 the hub publishes (override)
 
@@ -121,7 +122,7 @@ def _handler(hub: StandInHub):
         def _model(self, r: Repo):
             return {"id": r.repo_id, "modelId": r.repo_id, "downloads": r.downloads, "likes": 1, "gated": False,
                     "private": False, "sha": COMMIT, "tags": ["gguf"],
-                    "gguf": {"architecture": r.architecture, "context_length": 2048, "total": 1000}}
+                    "gguf": {"architecture": r.architecture, "context_length": 2048, "total": r.parameters}}
 
         def do_GET(self):
             self._serve(body=True)
@@ -186,15 +187,16 @@ def _handler(hub: StandInHub):
                 self.wfile.flush()
                 self.close_connection = True
                 return
-            if hub.rate:  # a slow link, for a download one can watch (and cancel)
+            sent = 0
+            while hub.rate and sent < len(chunk):  # a slow link, for a download one can watch (and cancel)
                 import time
 
-                piece = max(hub.rate // 20, 1)
-                for i in range(0, len(chunk), piece):
-                    self.wfile.write(chunk[i:i + piece])
-                    time.sleep(piece / hub.rate)
-                return
-            self.wfile.write(chunk)
+                rate = hub.rate
+                piece = max(rate // 20, 1)
+                self.wfile.write(chunk[sent:sent + piece])
+                sent += piece
+                time.sleep(piece / rate)
+            self.wfile.write(chunk[sent:])  # the rest at full speed (rate 0, set again meanwhile)
 
     return Handler
 
