@@ -25,7 +25,7 @@ from app.backend import BackendMixin
 from app.library_control import LibraryMixin
 from app.client import ApiClient, Endpoint
 from app.launcher import LauncherWindow
-from app.qtcompat import guard_none_refcount
+from app.qtcompat import guard_refcount_leaks
 from app.store import ConversationStore
 from app.tray import Tray
 
@@ -43,7 +43,7 @@ class Controller(LibraryMixin, BackendMixin, QObject):
                  confirm_quit: Callable[[], bool] | None = None, quit_app: Callable[[], None] | None = None,
                  log_handler: logs.QtLogHandler | None = None):
         super().__init__()
-        guard_none_refcount()  # PySide6 6.12 on Python 3.11 would otherwise crash a long session (see qtcompat)
+        guard_refcount_leaks()  # PySide6 6.12 on Python 3.11 would otherwise crash a long session (see qtcompat)
         self.config = config or AppConfig()
         self.store = store or ConversationStore()
         self.log_handler = log_handler or logs.install()

@@ -99,9 +99,9 @@ def run_app(args: argparse.Namespace, values: dict[str, Any]) -> int:
     from app.asyncutil import spawn
     from app.controller import Controller
 
-    from app.qtcompat import guard_none_refcount
+    from app.qtcompat import guard_refcount_leaks
 
-    guard_none_refcount()  # before the first window: see app/qtcompat.py
+    guard_refcount_leaks()  # before the first window: see app/qtcompat.py
     app = QApplication.instance() or QApplication(sys.argv[:1])
     app.setApplicationName("NInfer")
     app.setOrganizationName("NInfer")
