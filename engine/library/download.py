@@ -122,7 +122,10 @@ def _storage(f: HubFile) -> Path:
 def download(f: HubFile, *, on_progress: Callable[[DownloadProgress], None] | None = None,
              cancel: threading.Event | None = None) -> Path:
     """Downloads (or finds in the cache) ``f`` and returns its verified local path in the hub cache. A download
-    stopped before the end (cancel, a lost connection, a restart) continues from its partial file next time."""
+    stopped before the end (cancel, a lost connection, a restart) continues from its partial file next time. A split
+    model (``f.parts``) downloads every part and returns the single file they are merged into."""
+    if f.parts:
+        return _download_parts(f, on_progress, cancel)
     if offline():
         path = cached_path(f)
         if path is None:
@@ -180,6 +183,22 @@ def download(f: HubFile, *, on_progress: Callable[[DownloadProgress], None] | No
     if on_progress is not None:
         on_progress(DownloadProgress(size, size, bar.rate, 0.0))
     return path
+
+
+def _download_parts(f: HubFile, on_progress: Callable[[DownloadProgress], None] | None,
+                    cancel: threading.Event | None) -> Path:
+    from engine.library.split import ensure_merged
+
+    paths, before = [], 0
+    for part in f.parts:
+        def report(p: DownloadProgress, base: int = before) -> None:
+            if on_progress is not None:
+                left = f.size - base - p.done
+                on_progress(DownloadProgress(base + p.done, f.size, p.rate, left / p.rate if p.rate > 0 else None))
+
+        paths.append(download(part, on_progress=report, cancel=cancel))
+        before += part.size
+    return ensure_merged(paths[0], cancel)
 
 
 class _Rate:

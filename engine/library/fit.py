@@ -157,17 +157,26 @@ def mark_hub_file(f, *, vram_mib: int, ram_mib: int, settings: Mapping[str, Any]
 
     if f.architecture and f.architecture not in supported_architectures():
         return FitMark(UNSUPPORTED, f"'{f.architecture}' (this engine runs {', '.join(supported_architectures())})")
-    if f.split and f.split[0] != 1:
-        return FitMark(UNKNOWN, f"part {f.split[0]} of {f.split[1]} of a split file: see part 1")
+    if f.split and not f.parts:
+        return FitMark(UNKNOWN, f"part {f.split[0]} of {f.split[1]} of a split model whose other parts are not all "
+                                f"in the repository")
     try:
-        h = read_remote_header(file_url(f), auth_headers())
+        headers = [read_remote_header(file_url(p), auth_headers()) for p in (f.parts or (f,))]
     except (HeaderInvalid, HeaderTruncated) as e:
         return FitMark(UNKNOWN, f"the header of {f.filename} cannot be read ({type(e).__name__} {e})")
     except Exception as e:  # network or HTTP errors: the file stays listed, its mark says why
         return FitMark(UNKNOWN, f"the header of {f.filename} could not be fetched ({type(e).__name__}: {e})")
-    if f.split:
-        return FitMark(UNSUPPORTED, f"split into {f.split[1]} files: merge them with llama-gguf-split --merge")
+    h = merged_header(headers)
     return mark_header(h, f.filename, vram_mib=vram_mib, ram_mib=ram_mib, file_size=f.size, settings=settings)
+
+
+def merged_header(headers: list[GGUFHeader]) -> GGUFHeader:
+    """A split model's header: part 1's metadata with every part's tensors."""
+    import dataclasses
+
+    if len(headers) == 1:
+        return headers[0]
+    return dataclasses.replace(headers[0], tensors=[t for h in headers for t in h.tensors])
 
 
 def machine_memory() -> tuple[int, int]:

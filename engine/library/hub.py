@@ -71,10 +71,35 @@ class HubFile:
     quant: str
     architecture: str = ""
     revision: str = "main"
+    parts: tuple["HubFile", ...] = ()  # a split model: every part, part 1 first (this entry is part 1, size the sum)
 
     @property
     def split(self) -> tuple[int, int] | None:
         return split_part(self.filename)
+
+
+def group_splits(files: list[HubFile]) -> list[HubFile]:
+    """Each complete set of split parts as one entry (part 1, with the total size and ``parts``); a set with parts
+    missing stays as its parts."""
+    import dataclasses
+
+    sets: dict[tuple[str, int], list[HubFile]] = {}
+    for f in files:
+        if f.split:
+            stem = f.filename[:f.filename.rfind("-", 0, f.filename.rfind("-of-"))]
+            sets.setdefault((stem, f.split[1]), []).append(f)
+    out = []
+    for f in files:
+        if not f.split:
+            out.append(f)
+            continue
+        stem = f.filename[:f.filename.rfind("-", 0, f.filename.rfind("-of-"))]
+        group = sorted(sets[(stem, f.split[1])], key=lambda g: g.split[0])
+        if [g.split[0] for g in group] != list(range(1, f.split[1] + 1)):
+            out.append(f)  # incomplete: listed part by part, and marked so
+        elif f.split[0] == 1:
+            out.append(dataclasses.replace(f, size=sum(g.size for g in group), parts=tuple(group)))
+    return out
 
 
 def _hub_error(e: Exception, what: str) -> LibraryError:
@@ -136,7 +161,8 @@ def repo_architecture(repo_id: str, revision: str = "main") -> str:
 
 
 def list_files(repo_id: str, revision: str = "main") -> list[HubFile]:
-    """The repository's .gguf files with size, quant, the published sha256 and the hub's architecture."""
+    """The repository's .gguf files with size, quant, the published sha256 and the hub's architecture; a split
+    model's parts as one entry (see group_splits)."""
     _guard(f"list the files of {repo_id}")
     try:
         from huggingface_hub.hf_api import RepoFile
@@ -146,8 +172,9 @@ def list_files(repo_id: str, revision: str = "main") -> list[HubFile]:
     except Exception as e:  # each hub error becomes a LibraryError that names it
         raise _hub_error(e, f"list the files of {repo_id}") from e
     arch = repo_architecture(repo_id, revision) if entries else ""
-    return [HubFile(repo_id, e.path, int(e.lfs.size if e.lfs else e.size), e.lfs.sha256 if e.lfs else "",
-                    quant_of(e.path), arch, revision) for e in sorted(entries, key=lambda e: e.path)]
+    return group_splits([HubFile(repo_id, e.path, int(e.lfs.size if e.lfs else e.size),
+                                 e.lfs.sha256 if e.lfs else "", quant_of(e.path), arch, revision)
+                         for e in sorted(entries, key=lambda e: e.path)])
 
 
 def file_url(f: HubFile) -> str:

@@ -27,6 +27,7 @@ class LocalModel:
     context_length: int = 0
     supported: bool = False
     problem: str = ""  # why the header could not be read, "" when it was
+    parts: tuple[Path, ...] = ()  # a split model's files, part 1 (``path``) first
 
     @property
     def last_used(self) -> float | None:
@@ -67,21 +68,33 @@ def _quant(header, filename: str) -> str:
     return quant_of(filename)
 
 
-def describe(path: Path, source: str, name: str) -> LocalModel:
-    """A LocalModel from the file's header; an unreadable header is kept, with the reason."""
-    from engine.library.fit import supported_architectures
-    from engine.library.hub import quant_of
+def describe(path: Path, source: str, name: str) -> LocalModel | None:
+    """A LocalModel from the file's header (a split model's from all its parts' headers, listed once, by part 1:
+    None for the other parts); an unreadable header or a missing part is kept, with the reason."""
+    from engine.library.fit import merged_header, supported_architectures
+    from engine.library.hub import LibraryError, quant_of, split_part
+    from engine.library.split import base_name, sibling_parts
 
-    size = path.stat().st_size
+    part = split_part(path.name)
+    if part is not None and part[0] != 1:
+        return None
+    parts: tuple[Path, ...] = ()
+    if part is not None:
+        name = name[:len(name) - len(path.name)] + base_name(path.name)
+        try:
+            parts = tuple(sibling_parts(path))
+        except LibraryError as e:
+            return LocalModel(source, name, path, path.stat().st_size, quant=quant_of(path.name), problem=e.problem)
+    size = sum(p.stat().st_size for p in parts) if parts else path.stat().st_size
     try:
-        h = read_local_header(path)
+        h = merged_header([read_local_header(p) for p in (parts or (path,))])
     except (OSError, HeaderInvalid) as e:
-        return LocalModel(source, name, path, size, quant=quant_of(path.name),
+        return LocalModel(source, name, path, size, quant=quant_of(path.name), parts=parts,
                           problem=f"the GGUF header cannot be read ({e}); the file may be damaged or not a GGUF file")
     arch = h.architecture
     ctx = int(h.get(f"{arch}.context_length", 0) or 0)
     return LocalModel(source, name, path, size, arch, _quant(h, path.name), sum(t.n_elements for t in h.tensors),
-                      ctx, arch in supported_architectures() and not h.get(f"{arch}.expert_count"))
+                      ctx, arch in supported_architectures() and not h.get(f"{arch}.expert_count"), parts=parts)
 
 
 def hf_cache_models(cache: Path | None = None) -> list[LocalModel]:
@@ -104,14 +117,15 @@ def hf_cache_models(cache: Path | None = None) -> list[LocalModel]:
                 if f.file_name.lower().endswith(".gguf") and f.blob_path not in seen:
                     seen.add(f.blob_path)
                     out.append(describe(f.file_path, HF, f"{repo.repo_id}/{f.file_name}"))
-    return out
+    return [m for m in out if m is not None]
 
 
 def folder_models(root: Path, source: str = FOLDER) -> list[LocalModel]:
     """Every .gguf under ``root``, named by its path relative to it (LM Studio: publisher/repo/file.gguf)."""
     if not root.is_dir():
         return []
-    return [describe(p, source, p.relative_to(root).as_posix()) for p in sorted(root.rglob("*.gguf")) if p.is_file()]
+    found = [describe(p, source, p.relative_to(root).as_posix()) for p in sorted(root.rglob("*.gguf")) if p.is_file()]
+    return [m for m in found if m is not None]
 
 
 def ollama_models(root: Path | None = None) -> list[LocalModel]:
@@ -167,17 +181,34 @@ def remove(model: LocalModel) -> int:
             model.source, f"delete {model.path} yourself")
         raise LibraryError(f"{model.name} belongs to {model.source}, not to this library's downloads.", f"To free the "
                            f"space, {how}.")
-    link = model.path
+    merged = None
+    if model.parts:
+        from engine.library.split import merged_path
+
+        merged = merged_path(list(model.parts))  # (keyed by the parts' files: found before they go)
+    freed = sum(_remove_link(link, model.size if not model.parts else 0) for link in (model.parts or (model.path,)))
+    if merged is not None and merged.exists():
+        freed += merged.stat().st_size
+        merged.unlink()
+        try:
+            merged.parent.rmdir()
+        except OSError:
+            pass
+    return freed
+
+
+def _remove_link(link: Path, copy_size: int) -> int:
+    """Removes a snapshot link, and its blob when no other snapshot uses it; the bytes freed."""
+    from engine.library.hub import LibraryError
+
     blob = link.resolve()
     snapshots = next((p for p in link.parents if p.name == "snapshots"), None)
     if snapshots is None:
         raise LibraryError(f"{link} is not inside a hub cache snapshot.", f"Delete {link} yourself.")
+    size = link.stat().st_size if link.exists() else 0
     link.unlink(missing_ok=True)
     others = [p for p in snapshots.rglob("*") if p.is_symlink() and p.resolve() == blob]
-    freed = 0
     if not others and blob != link and blob.exists():
-        freed = blob.stat().st_size
         blob.unlink()
-    elif blob == link:  # a copy, not a link (file systems without symlinks)
-        freed = model.size
-    return freed
+        return size
+    return (copy_size or size) if blob == link else 0  # a copy, not a link (file systems without symlinks)

@@ -11,6 +11,7 @@ from typing import Callable
 
 from engine.library.download import DownloadProgress, cache_dir, download, verify
 from engine.library.hub import HubFile, LibraryError, OfflineError, list_files, offline, quant_of, split_part
+from engine.library.split import ensure_merged
 
 log = logging.getLogger("ninfer.library")
 PREFIX = "hf:"
@@ -38,18 +39,18 @@ def _loadable(name: str) -> bool:
 
 def pick(files: list[HubFile], repo_id: str, quant: str) -> HubFile:
     """The file for ``quant`` (or the preferred quant when none is named); a LibraryError lists what there is."""
-    usable = [f for f in files if _loadable(f.filename)]
+    usable = [f for f in files if f.parts or _loadable(f.filename)]
     quants = sorted({f.quant or f.filename for f in usable})
     if quant:
         match = [f for f in usable if f.quant == quant]
         if not match:
             split = [f for f in files if f.quant == quant and split_part(f.filename)]
-            why = " (only as a split file, which this engine cannot load)" if split else ""
-            raise LibraryError(f"hf:{repo_id} has no single-file {quant} GGUF{why}.",
+            why = " (only a split file with parts missing)" if split else ""
+            raise LibraryError(f"hf:{repo_id} has no complete {quant} GGUF{why}.",
                                f"Pick one of: {', '.join(quants) or 'none: the repository has no loadable GGUF'}.")
         return match[0]
     if not usable:
-        raise LibraryError(f"hf:{repo_id} has no single-file GGUF this engine can load.",
+        raise LibraryError(f"hf:{repo_id} has no complete GGUF this engine can load.",
                            "Pick another repository (search with the model library).")
     if len(usable) == 1:
         return usable[0]
@@ -67,7 +68,16 @@ def cached_files(repo_id: str) -> list[Path]:
     if not root.is_dir():
         return []
     snaps = sorted(root.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-    return [p for s in snaps for p in sorted(s.rglob("*.gguf")) if p.exists() and _loadable(p.name)]
+    out = []
+    for p in (p for s in snaps for p in sorted(s.rglob("*.gguf")) if p.exists()):
+        if _loadable(p.name):
+            out.append(p)
+        elif (part := split_part(p.name)) is not None and part[0] == 1 and not p.name.lower().startswith("mmproj"):
+            try:
+                out.append(ensure_merged(p))  # a split model: its parts merged once into one file
+            except LibraryError:
+                pass  # parts missing: not a model yet
+    return out
 
 
 def _from_cache(repo_id: str, quant: str, why: str = "") -> Path:

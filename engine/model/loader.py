@@ -24,6 +24,10 @@ def resolve_model_path(model: str | Path | None) -> Path:
     if not path.is_dir() and not path.is_file():  # a FIFO, socket or device: reading it could block forever
         raise ModelLoadError(f"{path} is not a regular file or folder (it is a {_kind(path)}).",
                              "Pass the path of a .gguf file or of a Hugging Face model folder.")
+    from engine.library.hub import split_part
+    if split_part(path.name) is not None:  # llama.cpp's split files: merged once into one (engine/library/split.py)
+        from engine.library.split import ensure_merged, sibling_parts
+        return ensure_merged(sibling_parts(path)[0])
     return path
 
 

@@ -18,10 +18,12 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def write_gguf(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 32, heads: int = 4,
-               kv_heads: int = 2, context: int = 2048, vocab: int = 64, dtype=np.float32, pad_mib: int = 0) -> Path:
-    """A tiny GGUF file with real metadata and tensors (random weights); ``pad_mib`` adds a tensor of that size."""
+               kv_heads: int = 2, context: int = 2048, vocab: int = 64, dtype=np.float32, pad_mib: int = 0,
+               split_max_tensors: int = 0) -> Path:
+    """A tiny GGUF file with real metadata and tensors (random weights); ``pad_mib`` adds a tensor of that size;
+    ``split_max_tensors``: split the way llama.cpp splits (path-00001-of-0000N.gguf ...; part 1's path returned)."""
     rng = np.random.default_rng(0)
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(path.stem)
     w.add_block_count(layers)
     w.add_context_length(context)
@@ -54,7 +56,7 @@ def write_gguf(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
+    return path if not split_max_tensors else sorted(path.parent.glob(f"{path.stem}-00001-of-*.gguf"))[0]
 
 
 @dataclass

@@ -168,7 +168,7 @@ def test_the_loader_accepts_hf_specs(tiny_repo, hf_home, monkeypatch):
 
 
 def test_unknown_quant_and_bad_spec_name_what_to_do(tiny_repo):
-    with pytest.raises(libhub.LibraryError, match="no single-file Q2_K") as e:
+    with pytest.raises(libhub.LibraryError, match="no complete Q2_K") as e:
         resolve_hf(f"hf:{REPO}:Q2_K")
     assert "Q4_K_M" in e.value.remedy and "Q8_0" in e.value.remedy and "mmproj" not in e.value.remedy
     with pytest.raises(libhub.LibraryError, match="not a hub model reference"):
