@@ -12,6 +12,7 @@
     code.py      small programming problems (HumanEval format) run with their tests in the sandbox
     sandbox.py   runs an untrusted program under limits and says how it ended
     stats.py     confidence intervals of pass rates
+    compare.py   compare A B: chosen checks on two configurations in one report (Markdown, JSON, PNG)
 
 Imports run one way: cli.py imports the checks, which import target.py, results.py and heatmap.py (or nothing of
 this package).

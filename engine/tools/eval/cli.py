@@ -29,7 +29,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="ninfer-eval", allow_abbrev=False, description=(
         "Measure a configuration before trusting it. Engine settings are ninfer-serve's (see ninfer-serve --help): "
-        "give them after the check, e.g. ninfer-eval kld --kv-dtype k8v4."))
+        "give them after the check, e.g. ninfer-eval kld --kv-dtype k8v4. ninfer-eval compare 'A FLAGS' 'B FLAGS' "
+        "runs checks on two configurations side by side (ninfer-eval compare --help)."))
     sub = p.add_subparsers(dest="check", metavar="CHECK", required=True, parser_class=_Parser)
     helps = {"kld": "KL divergence, top-1 agreement and perplexity against a reference configuration (in process, "
                     "or a server's top-k logprobs with --url)",
@@ -84,6 +85,10 @@ def progress_bar(enabled: bool):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["compare"]:  # A and B are quoted flag strings: compare parses its own arguments
+        from engine.tools.eval import compare
+
+        return compare.main(argv[1:])
     command = "ninfer-eval " + " ".join(argv)
     try:
         args, settings = parse(argv)

@@ -22,3 +22,13 @@ def rate_text(passed: int, total: int) -> str:
     lo, hi = wilson(passed, total)
     rate = f"{100 * passed / total:.1f}%" if total else "n/a"
     return f"{passed}/{total} ({rate}, 95% CI {100 * lo:.1f}-{100 * hi:.1f}%)"
+
+
+def difference(passed_a: int, total_a: int, passed_b: int, total_b: int, z: float = Z95) -> tuple[float, float, float]:
+    """B's pass rate minus A's and its 95% interval (Newcombe's method from the two Wilson intervals; it treats the
+    two runs as independent, which is conservative for runs over the same items)."""
+    pa, pb = passed_a / max(total_a, 1), passed_b / max(total_b, 1)
+    la, ua = wilson(passed_a, total_a, z)
+    lb, ub = wilson(passed_b, total_b, z)
+    d = pb - pa
+    return d, d - math.sqrt((pb - lb) ** 2 + (ua - pa) ** 2), d + math.sqrt((ub - pb) ** 2 + (pa - la) ** 2)
