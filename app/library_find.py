@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QHBoxLayout, QHeaderView, QLab
 from engine.library.download import DownloadCancelled, DownloadProgress
 from engine.library.fit import FitMark
 from engine.library.hub import HubFile, LibraryError
+from engine.library.split import base_name
 
 from app import theme
 from app.asyncutil import spawn
@@ -167,7 +168,8 @@ class FindPanel(QWidget):
         self.hub_files = files
         self.files.setRowCount(len(files))
         for i, f in enumerate(files):
-            for c, text in enumerate((f.filename, f.quant or "?", size_text(f.size), "checking…")):
+            name = f"{base_name(f.filename)} ({len(f.parts)} parts)" if f.parts else f.filename
+            for c, text in enumerate((name, f.quant or "?", size_text(f.size), "checking…")):
                 self.files.setItem(i, c, QTableWidgetItem(text))
         self.status.setText(f"{_files(len(files))} in {repo_id}; reading each header to check the fit…")
         vram, ram = self.memory

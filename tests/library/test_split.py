@@ -87,3 +87,50 @@ def test_a_folder_split_model_loads_by_any_part_and_a_missing_part_is_named(tmp_
         split.sibling_parts(folder / "Mine-Q8_0-00001-of-00003.gguf")
     broken = local.folder_models(folder)
     assert len(broken) == 1 and not broken[0].supported and "missing" in broken[0].problem
+
+
+def _write_split(source, first, max_tensors: int) -> None:
+    """``source`` split the way llama.cpp's gguf-split does, by the gguf package's writer (first: part 1's path
+    without the -00001-of-0000N suffix)."""
+    from gguf import GGUFValueType, GGUFWriter
+
+    r = GGUFReader(source)
+    w = GGUFWriter(first, r.fields["general.architecture"].contents(), split_max_tensors=max_tensors)
+    for k, f in r.fields.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            w.add_key_value(k, f.contents(), f.types[0],
+                            sub_type=f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for t in r.tensors:
+        w.write_tensor_data(t.data)
+    w.close()
+
+
+@pytest.mark.slow
+def test_the_embedded_model_split_in_three_loads_and_answers(hub, hf_home, tmp_path):
+    """The embedded model, published split in three parts, fetched by its hf: reference, loaded by the engine's
+    builder from the merged file and answering."""
+    from engine.build import build_engine
+    from engine.model.default import default_model_path
+    from engine.sampling import SamplingParams
+
+    source = default_model_path()
+    _write_split(source, tmp_path / "SmolLM2-135M-Instruct-Q4_1.gguf", max_tensors=120)
+    parts = sorted(tmp_path.glob("SmolLM2-135M-Instruct-Q4_1-*-of-*.gguf"))
+    assert len(parts) == 3
+    hub.add(Repo("test-org/SmolLM2-Split-GGUF", {p.name: p.read_bytes() for p in parts}))
+    loaded = build_engine("hf:test-org/SmolLM2-Split-GGUF:Q4_1", device="cpu", max_context=512, max_concurrency=1)
+    try:
+        assert loaded.path.is_relative_to(hf_home / "ninfer-merged")
+        assert loaded.path.name == "SmolLM2-135M-Instruct-Q4_1.gguf"
+        tok = loaded.tokenizer
+        prompt = tok.apply_chat_template(
+            [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
+        out = loaded.engine.start().generate(prompt, SamplingParams(temperature=0, max_tokens=48))
+        assert "Paris" in tok.decode(out)
+    finally:
+        loaded.engine.shutdown()
