@@ -58,6 +58,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, Any]:
     from engine.config import ConfigError, load_settings
 
     args, rest = build_parser().parse_known_args(argv)
+    args.engine_flags = list(rest)  # the configuration, as given: reports name it (the app finds them by it)
     try:
         settings, warnings = load_settings(rest)
     except ConfigError as e:
@@ -104,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     print(module.format_table(summary, command))
     if args.json:
         try:
-            args.json.write_text(json.dumps({"command": command, **summary}, indent=2, default=str))
+            args.json.write_text(json.dumps({"command": command, "check": args.check,
+                                             "engine_flags": args.engine_flags, **summary}, indent=2, default=str))
         except OSError as e:
             print(f"ninfer-eval: cannot write {args.json}: {e}; give a writable --json path", file=sys.stderr)
             return 1
