@@ -6,6 +6,7 @@
     results.py   the resumable JSONL results file: one line per finished item, skipped when a run resumes
     kld.py       KL divergence, top-1 agreement and perplexity against a reference configuration
     kld_url.py   kld --url: a lower bound of the KLD from a server's top-k logprobs
+    llamacpp.py  kld --llama-cpp: llama.cpp (llama-cpp-python, when installed) as the candidate
     needle.py    pass-key needles over a grid of context lengths x depths, several seeds each
     count.py     counting a word spread over the whole prompt
     heatmap.py   the needle grid as a PNG (standard library only)

@@ -42,6 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--ref-logits", type=Path, default=None, metavar="DIR",
                    help="keep the reference's logits in this folder (fp32, one file per segment) and reuse them: "
                         "later candidates against the same reference and text skip the reference run")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="the candidate is llama.cpp (the llama-cpp-python package, not a dependency) on the same "
+                        "GGUF, compared over the full vocabulary like the engine")
     p.add_argument("--top-logprobs", type=int, default=20, metavar="K",
                    help="with --url: top logprobs asked of the server per position (default 20, the OpenAI "
                         "maximum); the KLD is then a lower bound (docs/EVAL.md)")
@@ -143,11 +146,16 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
     ref_settings = {**{k: getattr(settings, k) for k in ENGINE_KEYS}, **ref_over, "model": str(ref_path)}
     ref_key = config_key({"reference": ref_settings, "text": text_hash, "ctx": args.ctx})
     key = config_key({"candidate": {k: getattr(settings, k) for k in ENGINE_KEYS}, "reference": ref_key})
+    if args.url and args.llama_cpp:
+        raise NInferError("--llama-cpp runs llama.cpp in process and --url measures a server: give one of them.",
+                          "Drop --url, or drop --llama-cpp.")
     if args.url:
         if args.top_logprobs < 1 or args.stride < 1:
             raise NInferError("--top-logprobs and --stride must be 1 or more.", "E.g. --top-logprobs 20 --stride 4.")
         key = config_key({"candidate": {"url": args.url, "model": settings.model_id, "k": args.top_logprobs,
                                         "stride": args.stride}, "reference": ref_key})
+    elif args.llama_cpp:
+        key = config_key({"candidate": {"llama.cpp": str(model_path), "ctx": args.ctx}, "reference": ref_key})
     results = ResultsFile(results_path, "kld", key)
     todo = [i for i in range(len(segs)) if f"segment-{i}" not in results.done]
     info: dict[str, Any] = {"candidate": None, "text": path.name, "tokens": len(ids), "ctx": args.ctx, "key": key,
@@ -155,7 +163,12 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
     if todo and args.url:
         _score_server(args, settings, segs, todo, results, info, progress, tok, (ref_over, ref_path, ref_key))
     elif todo:
-        candidate = EngineTarget(settings, NO_PREFIX_REUSE)
+        if args.llama_cpp:
+            from engine.tools.eval.llamacpp import LlamaCppTarget
+
+            candidate = LlamaCppTarget(model_path, args.ctx, settings.threads or 0)
+        else:
+            candidate = EngineTarget(settings, NO_PREFIX_REUSE)
         reference = None
         try:
             info["candidate"] = candidate.describe()
