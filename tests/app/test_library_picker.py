@@ -13,7 +13,7 @@ from PySide6.QtTest import QTest
 
 from app.library_rows import hub_reference, last_used_text, params_text, progress_text, size_text
 from engine.library.download import DownloadProgress
-from tests.app.conftest import free_port, make_controller, run, wait_until
+from tests.app.conftest import clipped, free_port, make_controller, run, wait_until
 from tests.library.conftest import Repo, hf_home, hub  # noqa: F401 (fixtures: the stand-in hub, a fresh HF_HOME)
 
 REPO = "test-org/SmolLM2-135M-Instruct-GGUF"
@@ -170,6 +170,9 @@ def test_cancel_a_download_then_continue_it(qapp, qloop, app_home, hub, hf_home,
     find.repos.setCurrentRow(0)
     wait_until(lambda: "Tiny-Q8_0.gguf" in find.marks, 30_000)
     find.select_file("Tiny-Q8_0.gguf")
+    controller.library.resize(800, 600)  # the smallest size the app supports: nothing cut off
+    wait_until(lambda: controller.library.width() == 800, 5000)
+    assert clipped(controller.library) == []
     reports: list[DownloadProgress] = []
     find.progress_signal.connect(reports.append)
     click(find.download_button)
