@@ -17,7 +17,7 @@ from PySide6.QtCore import QProcess, Qt, QUrl, Signal
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QLineEdit, QListWidget, QListWidgetItem,
                                QPlainTextEdit, QPushButton, QSplitter, QTextBrowser, QVBoxLayout, QWidget)
 
-CHECKS = ("needle", "count", "kld", "code")
+CHECKS = ("needle", "count", "kld", "code", "agent")
 
 
 def reports_dir() -> Path:

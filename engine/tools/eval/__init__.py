@@ -12,6 +12,7 @@
     heatmap.py   the needle grid as a PNG (standard library only)
     code.py      small programming problems (HumanEval format) run with their tests in the sandbox
     sandbox.py   runs an untrusted program under limits and says how it ended
+    agent.py     tasks through the chat tools API (tool calls, JSON, logs, a multi-turn code fix)
     stats.py     confidence intervals of pass rates
     compare.py   compare A B: chosen checks on two configurations in one report (Markdown, JSON, PNG)
 

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import NInferError
-from engine.tools.eval import code, count, kld, needle
+from engine.tools.eval import agent, code, count, kld, needle
 
-CHECKS = {"kld": kld, "needle": needle, "count": count, "code": code}
+CHECKS = {"kld": kld, "needle": needle, "count": count, "code": code, "agent": agent}
 # ninfer-serve settings that mean something with --url: how to reach the server's model
 URL_SETTINGS = {"api_key", "model_id"}
 # checks whose engine settings still apply with --url: they build the reference in process (kld)
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "or a server's top-k logprobs with --url)",
              "needle": "pass-key retrieval over a grid of context lengths x depths; a table and a heatmap PNG",
              "count": "count a word's occurrences spread over the whole prompt (needs every part of the context)",
-             "code": "small programming problems run with their tests in a sandbox (HumanEval format)"}
+             "code": "small programming problems run with their tests in a sandbox (HumanEval format)",
+             "agent": "tasks through the chat tools API: tool calls, JSON extraction, log reading, fixing code"}
     for name, module in CHECKS.items():
         s = sub.add_parser(name, help=helps[name], description=helps[name] + ". Any other option is a "
                            "ninfer-serve setting (ninfer-serve --help).", allow_abbrev=False)

@@ -18,7 +18,7 @@ from typing import Any
 from engine.errors import NInferError
 from engine.tools.eval.stats import difference, rate_text
 
-ANSWER_FIELDS = {"needle": "answer", "count": "answer", "code": "completion"}
+ANSWER_FIELDS = {"needle": "answer", "count": "answer", "code": "completion", "agent": "answer"}
 DEFAULT_CHECKS = ["needle --lengths 512,1024 --depths 0,0.5,1 --seeds 2", "code"]
 
 
