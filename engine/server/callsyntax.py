@@ -1,17 +1,17 @@
 """Reading tool calls out of complete pieces of model output: JSON call objects (one, a list, or several
-separated by whitespace) and Qwen3-Coder's `<function=NAME><parameter=P>V</parameter></function>` XML. Each reader
-gives [(name, arguments JSON)] or None when the text is not entirely calls of offered tools."""
+separated by whitespace). Each reader gives [(name, arguments JSON)] or None when the text is not entirely calls of
+offered tools; the arguments are written in engine.server.argstream's canonical form, as streamed calls are.
+(Qwen3-Coder's XML calls are always read as they stream: engine.server.livecalls.)"""
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
+
+from engine.server.argstream import canonical_json
 
 # Keys a bare or fenced call object may start with: anything else (a JSON answer) is content from its first key on.
 CALL_FIRST_KEYS = {"name", "arguments", "parameters", "function", "type", "id"}
 JSON_WS = " \t\r\n"
-_FUNC_RE = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_PARAM_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
 
 def _no_constant(name: str):
@@ -57,7 +57,7 @@ def calls_from_json(value: Any, names: set[str] | None, strict: bool) -> list[tu
         args = _arguments(item[key] if key else None)
         if args is None:
             return None
-        calls.append((name, json.dumps(args, ensure_ascii=False)))
+        calls.append((name, canonical_json(args)))
     return calls or None
 
 
@@ -78,42 +78,6 @@ def json_calls(text: str, names: set[str] | None, strict: bool) -> list[tuple[st
     return calls or None
 
 
-def _xml_value(raw: str) -> Any:
-    raw = raw[1:] if raw.startswith("\n") else raw
-    raw = raw[:-1] if raw.endswith("\n") else raw
-    try:
-        return loads(raw)
-    except ValueError:
-        return raw
-
-
-def _xml_calls(text: str, names: set[str] | None) -> list[tuple[str, str]] | None:
-    """Qwen3-Coder: <function=NAME><parameter=P>VALUE</parameter>...</function>, values decoded as JSON when they
-    are JSON (numbers, booleans, objects) and kept as text otherwise."""
-    text, pos, calls = text.strip(), 0, []
-    for m in _FUNC_RE.finditer(text):
-        name, body, args, at = m.group(1).strip(), m.group(2), {}, 0
-        if text[pos:m.start()].strip() or (names is not None and name not in names):
-            return None
-        for p in _PARAM_RE.finditer(body):
-            if body[at:p.start()].strip():
-                return None
-            args[p.group(1).strip()] = _xml_value(p.group(2))
-            at = p.end()
-        if body[at:].strip():
-            return None
-        calls.append((name, json.dumps(args, ensure_ascii=False)))
-        pos = m.end()
-    return calls if calls and not text[pos:].strip() else None
-
-
 def tag_calls(inner: str, names: set[str] | None) -> list[tuple[str, str]] | None:
     inner = inner.strip()
-    return _xml_calls(inner, names) if inner.startswith("<function=") else json_calls(inner, names, strict=False)
-
-
-def canonical(arguments: str) -> str:
-    try:
-        return json.dumps(loads(arguments), sort_keys=True, ensure_ascii=False)
-    except ValueError:
-        return arguments
+    return None if inner.startswith("<function=") else json_calls(inner, names, strict=False)

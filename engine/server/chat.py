@@ -14,7 +14,7 @@ from engine.errors import NInferError
 from engine.server.errors import APIError, error_body
 from engine.server.generation import (Choice, check_prompt_chars, response_constraint, run_choices, sampling_params,
                                        submit, unless_disconnected, usage_dict)
-from engine.server.parsers import required_tool, tool_names_for, validate_tools
+from engine.server.parsers import offered_tools, required_tool, validate_tools
 from engine.server.schemas import ChatCompletionRequest
 from engine.server.state import ServerState
 
@@ -23,6 +23,14 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def sse(body) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def tool_call_delta(event) -> dict:
+    """A streamed call's chunk: id, type and name once with the first arguments, then more arguments."""
+    if event[0] == "tool_call":
+        _, index, call_id, name, arguments = event
+        return {"index": index, "id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"index": event[1], "function": {"arguments": event[2]}}
 
 
 def logprob_entries(tokenizer, logprobs) -> list[dict]:
@@ -89,7 +97,7 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerState, reque
     params = sampling_params(req, state, len(prompt), loaded.context_window, logprobs)
     params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, req, in_reasoning)
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
-    names = tool_names_for(req.tools, req.tool_choice)
+    names = offered_tools(req.tools, req.tool_choice)
     choices = [Choice(i, loaded.tokenizer, req.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
                       tool_names=names) for i in range(req.n)]
     streams = submit(state, prompt, params, req.n)  # last: nothing after it can fail and leave them running
@@ -117,7 +125,8 @@ class _Reply:
         return run_choices(self.streams, self.choices, usage)
 
     async def whole(self) -> dict:
-        msgs = {c.index: {"content": [], "reasoning": [], "tool_calls": [], "logprobs": [], "finish": "stop"}
+        msgs = {c.index: {"content": [], "reasoning": [], "tool_calls": [], "calls": {}, "logprobs": [],
+                    "finish": "stop"}
                 for c in self.choices}
         async with aclosing(self.events()) as events:
             async for ev in events:
@@ -126,7 +135,12 @@ class _Reply:
                 m = msgs[ev.index]
                 m["content"].append(ev.content)
                 m["reasoning"].append(ev.reasoning)
-                m["tool_calls"].extend(ev.tool_calls)
+                for e in ev.tool_calls:
+                    if e[0] == "tool_call":
+                        m["calls"][e[1]] = {"id": e[2], "type": "function", "function": {"name": e[3]}}
+                    elif e[0] == "tool_end":  # the whole arguments: what the pieces streamed concatenate to
+                        m["calls"][e[1]]["function"]["arguments"] = e[2]
+                        m["tool_calls"].append(m["calls"][e[1]])
                 m["logprobs"].extend(ev.logprobs)
                 m["finish"] = ev.finish or m["finish"]
         choices = []
@@ -137,8 +151,7 @@ class _Reply:
             if reasoning:
                 message["reasoning_content"] = message["reasoning"] = reasoning
             if m["tool_calls"]:
-                message["tool_calls"] = [{"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
-                                         for _, cid, name, args in m["tool_calls"]]
+                message["tool_calls"] = m["tool_calls"]
             lps = {"content": logprob_entries(self.tokenizer, m["logprobs"])} if self.req.logprobs else None
             choices.append({"index": i, "message": message, "logprobs": lps, "finish_reason": m["finish"]})
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.req.model,
@@ -168,10 +181,9 @@ class _Reply:
                     delta["reasoning_content"] = delta["reasoning"] = ev.reasoning
                 if ev.content:
                     delta["content"] = ev.content
-                if ev.tool_calls:
-                    delta["tool_calls"] = [{"index": i, "id": cid, "type": "function",
-                                            "function": {"name": name, "arguments": args}}
-                                           for i, cid, name, args in ev.tool_calls]
+                calls = [tool_call_delta(e) for e in ev.tool_calls if e[0] != "tool_end"]
+                if calls:
+                    delta["tool_calls"] = calls
                 lps = {"content": logprob_entries(self.tokenizer, ev.logprobs)} if ev.logprobs else None
                 if delta or lps:
                     yield self._chunk(ev.index, delta, None, lps)

@@ -108,7 +108,7 @@ class Event:
     index: int
     content: str = ""
     reasoning: str = ""
-    tool_calls: list = field(default_factory=list)  # (index, id, name, arguments)
+    tool_calls: list = field(default_factory=list)  # the streamer's "tool_call" / "tool_args" / "tool_end" events
     logprobs: list = field(default_factory=list)  # engine TokenLogprob entries
     finish: str | None = None
     error: str | None = None
@@ -118,7 +118,7 @@ class Choice:
     """One generated sequence: detokenizes, cuts at stop strings, splits reasoning, parses tool calls."""
 
     def __init__(self, index: int, tokenizer, stops: list[str], *, reasoning: bool = False,
-                 starts_in_reasoning: bool = False, tool_names: set[str] | None = None):
+                 starts_in_reasoning: bool = False, tool_names: set[str] | dict[str, dict] | None = None):
         self.index = index
         self.text = TextStream(tokenizer, stops)
         self.splitter = ReasoningSplitter(starts_in_reasoning) if reasoning else None
@@ -140,7 +140,7 @@ class Choice:
             if e[0] == "content":
                 ev.content += e[1]
             else:
-                ev.tool_calls.append(e[1:])
+                ev.tool_calls.append(e)
                 self.called = True
 
     def on_output(self, out) -> Event:

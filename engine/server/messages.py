@@ -19,7 +19,7 @@ from engine.server.chat import SSE_HEADERS, output_constraint, render
 from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages_reply import MessageReply
-from engine.server.parsers import tool_names_for
+from engine.server.parsers import offered_tools
 from engine.server.schemacheck import schema_problems
 from engine.server.schemas import (INT32_MAX, MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, Int,
                                    TokenCount, _Open)
@@ -293,7 +293,7 @@ async def messages(req: MessagesRequest, state: ServerState, request=None):
         params.constraint = ThinkingBudget(loaded.tokenizer, budget, in_reasoning, params.constraint)
     streams = submit(state, prompt, params, 1)
     choice = Choice(0, loaded.tokenizer, chat.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
-                    tool_names=tool_names_for(chat.tools, chat.tool_choice))
+                    tool_names=offered_tools(chat.tools, chat.tool_choice))
     hide = (req.thinking or {}).get("display") == "omitted"
     reply = MessageReply(req.model, streams, choice, len(prompt), hide_thinking=hide)
     if req.stream:

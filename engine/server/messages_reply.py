@@ -29,7 +29,7 @@ class MessageReply:
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
         self.failed: str | None = None
-        self._open: str | None = None  # the kind of the block being streamed ("thinking" or "text")
+        self._open: str | None = None  # the kind of the block being streamed ("thinking", "text" or "tool_use")
 
     def usage_body(self) -> dict:
         cached = self.usage["cached_tokens"][0]
@@ -72,13 +72,22 @@ class MessageReply:
             self.content[-1]["text"] += text
             yield self._delta({"type": "text_delta", "text": text})
 
-    def _tool_use(self, call_id: str, name: str, arguments: str):
-        yield from self._close()
-        block_id = "toolu_" + (call_id[5:] if call_id.startswith("call_") else call_id)
-        yield from self._start({"type": "tool_use", "id": block_id, "name": name, "input": {}})
-        self.content[-1]["input"] = json.loads(arguments or "{}")
-        yield self._delta({"type": "input_json_delta", "partial_json": arguments})
-        yield sse_event("content_block_stop", {"type": "content_block_stop", "index": len(self.content) - 1})
+    def _tool_use(self, event):
+        """A tool_use block: started when the call begins, its input streamed as input_json_delta pieces (they
+        concatenate to the input's JSON), stopped when the call ends."""
+        if event[0] == "tool_call":
+            _, _, call_id, name, arguments = event
+            yield from self._close()
+            block_id = "toolu_" + (call_id[5:] if call_id.startswith("call_") else call_id)
+            yield from self._start({"type": "tool_use", "id": block_id, "name": name, "input": {}})
+            self._open = "tool_use"
+        else:
+            arguments = event[2]
+        if event[0] == "tool_end":
+            self.content[-1]["input"] = json.loads(arguments or "{}")
+            yield from self._close()
+        elif arguments:
+            yield self._delta({"type": "input_json_delta", "partial_json": arguments})
 
     def _finish(self, finish: str) -> None:
         hit = self.choice.text.stops.hit
@@ -105,8 +114,8 @@ class MessageReply:
                 if ev.content:
                     for chunk in self._text("text", ev.content):
                         yield chunk
-                for _, call_id, name, arguments in ev.tool_calls:
-                    for chunk in self._tool_use(call_id, name, arguments):
+                for event in ev.tool_calls:
+                    for chunk in self._tool_use(event):
                         yield chunk
                 if ev.finish:
                     self._finish(ev.finish)

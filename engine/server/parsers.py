@@ -3,9 +3,9 @@
 Typical use for one choice (feed the detokenized text deltas; whole-text functions give the same result):
 
     splitter = ReasoningSplitter(starts_in_reasoning=...)       # reasoning.py
-    calls = ToolCallStreamer(tool_names_for(req.tools, req.tool_choice))   # toolcalls.py
+    calls = ToolCallStreamer(offered_tools(req.tools, req.tool_choice))   # toolcalls.py
     reasoning, content = splitter.feed(delta)
-    events = calls.feed(content)      # ("content", text) / ("tool_call", index, id, name, arguments)
+    events = calls.feed(content)      # ("content", text), ("tool_call" / "tool_args" / "tool_end", index, ...)
     ... at the end: splitter.flush(), then calls.feed(<its content>) + calls.flush()
 
 Pure Python: nothing here touches the engine.
@@ -18,11 +18,11 @@ from typing import Any, Literal
 from engine.server.errors import shown
 from engine.server.reasoning import ReasoningSplitter, split_reasoning
 from engine.server.schemacheck import schema_problems
-from engine.server.toolcalls import (ParsedOutput, StreamEvent, ToolCall, ToolCallStreamer, new_call_id,
-                                     parse_tool_calls)
+from engine.server.callevents import ToolCall, new_call_id
+from engine.server.toolcalls import ParsedOutput, StreamEvent, ToolCallStreamer, parse_tool_calls
 
 __all__ = ["ParsedOutput", "ReasoningSplitter", "StreamEvent", "ToolCall", "ToolCallStreamer", "new_call_id",
-           "parse_tool_calls", "required_tool", "split_reasoning", "tool_names_for", "validate_tools"]
+           "offered_tools", "parse_tool_calls", "required_tool", "split_reasoning", "tool_names_for", "validate_tools"]
 
 TOOL_NAME_RE = re.compile(r"^[a-zA-Z0-9_-]{1,128}$")
 TOOL_CHOICE_MODES = ("none", "auto", "required")
@@ -54,6 +54,18 @@ def tool_names_for(tools: list[dict] | None, tool_choice: str | dict | None = No
     if named is not None:
         return {named}
     return {name for name in map(_tool_name, tools) if name}
+
+
+def offered_tools(tools: list[dict] | None, tool_choice: str | dict | None = None) -> dict[str, dict]:
+    """tool_names_for's names, each with its parameters schema (the parser reads XML parameters by their type)."""
+    names = tool_names_for(tools, tool_choice)
+    out = {}
+    for tool in tools or []:
+        name = _tool_name(tool)
+        if name in names:
+            params = tool["function"].get("parameters")
+            out[name] = params if isinstance(params, dict) else {}
+    return out
 
 
 def required_tool(tool_choice: str | dict | None) -> str | Literal[True] | None:

@@ -13,7 +13,7 @@ from engine.server.chat import SSE_HEADERS, output_constraint, render
 from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages import OMITTED_TOOLS_HEADER
-from engine.server.parsers import tool_names_for
+from engine.server.parsers import offered_tools
 from engine.server.responses_input import ResponseTools, read_input, read_tool_choice, read_tools
 from engine.server.responses_reply import ResponseReply
 from engine.server.schemas import (MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, TokenCount,
@@ -106,7 +106,7 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
     streams = submit(state, prompt, params, 1, param="input")
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     choice = Choice(0, loaded.tokenizer, [], reasoning=reasoning, starts_in_reasoning=in_reasoning,
-                    tool_names=tool_names_for(chat.tools, chat.tool_choice))
+                    tool_names=offered_tools(chat.tools, chat.tool_choice))
     reply = ResponseReply(req, streams, choice, len(prompt), tools)
     headers = {OMITTED_TOOLS_HEADER: ", ".join(tools.omitted)} if tools.omitted else {}
     if req.stream:

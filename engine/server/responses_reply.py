@@ -36,6 +36,7 @@ class ResponseReply:
         self.status, self.incomplete = "in_progress", None
         self.seq = 0
         self._open: dict | None = None  # the reasoning or message item being streamed
+        self._calls: dict[int, dict] = {}  # call index -> its call_id, name and (function calls) output item
         # reasoning.summary asked for: the model's reasoning is given as the summary (what Codex shows by default)
         self.as_summary = req.reasoning is not None and req.reasoning.summary not in (None, "none")
 
@@ -124,24 +125,46 @@ class ResponseReply:
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         yield self._event(name, item_id=item["id"], output_index=len(self.output) - 1, content_index=0, delta=text)
 
-    def _call(self, call_id: str, name: str, arguments: str):
-        yield from self._close()
+    def _call(self, event):
+        """A call's events: a function call's arguments stream as `response.function_call_arguments.delta` while
+        they are generated; custom and shell calls are given whole once they end (their input is read from the
+        complete arguments)."""
+        if event[0] == "tool_call":
+            _, index, call_id, name, arguments = event
+            yield from self._close()
+            item = self.tools.output_item(call_id, name, "", "")
+            self._calls[index] = {"call_id": call_id, "name": name, "item": None}
+            if item["type"] != "function_call":
+                return
+            item.update(id=new_id(_ITEM_PREFIX["function_call"]), status="in_progress")
+            self.output.append(item)
+            self._calls[index]["item"] = item
+            yield self._event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))
+            event = ("tool_args", index, arguments)
+        call = self._calls[event[1]]
+        item = call["item"]
+        if event[0] == "tool_args" and item is not None and event[2]:
+            yield self._event("response.function_call_arguments.delta", item_id=item["id"],
+                              output_index=self.output.index(item), delta=event[2])
+        elif event[0] == "tool_end":
+            if item is not None:
+                item["arguments"] = event[2]
+                yield self._event("response.function_call_arguments.done", item_id=item["id"],
+                                  output_index=self.output.index(item), arguments=event[2])
+                yield from self._done(item)
+            else:
+                yield from self._whole_call(call["call_id"], call["name"], event[2])
+
+    def _whole_call(self, call_id: str, name: str, arguments: str):
         done = self.tools.output_item(call_id, name, arguments, "")
         done["id"] = new_id(_ITEM_PREFIX[done["type"]])
         start = {**done, "status": "in_progress"}
-        if done["type"] == "function_call":
-            start["arguments"] = ""
-        elif done["type"] == "custom_tool_call":
+        if done["type"] == "custom_tool_call":
             start["input"] = ""
         self.output.append(done)
         idx = len(self.output) - 1
         yield self._event("response.output_item.added", output_index=idx, item=start)
-        if done["type"] == "function_call":
-            yield self._event("response.function_call_arguments.delta", item_id=done["id"], output_index=idx,
-                              delta=arguments)
-            yield self._event("response.function_call_arguments.done", item_id=done["id"], output_index=idx,
-                              arguments=arguments)
-        elif done["type"] == "custom_tool_call":
+        if done["type"] == "custom_tool_call":
             yield self._event("response.custom_tool_call_input.delta", item_id=done["id"], output_index=idx,
                               delta=done["input"])
             yield self._event("response.custom_tool_call_input.done", item_id=done["id"], output_index=idx,
@@ -161,8 +184,8 @@ class ResponseReply:
                     if text:
                         for chunk in self._text(kind, text):
                             yield chunk
-                for _, call_id, name, arguments in ev.tool_calls:
-                    for chunk in self._call(call_id, name, arguments):
+                for event in ev.tool_calls:
+                    for chunk in self._call(event):
                         yield chunk
                 if ev.finish:
                     self.status = "incomplete" if ev.finish == "length" else "completed"

@@ -10,55 +10,40 @@ Recognised forms (a call counts only when its name is among the offered tools; a
 
 The whole-text parser is the streamer fed everything at once, so both agree however the text is split. The
 streamer passes text through as soon as it can no longer be part of a call, holds a possible call until it is
-complete, and gives it back as content when it turns out not to be one. Content is stripped at both ends.
+known to be one, and gives it back as content when it turns out not to be one. Content is stripped at both ends.
 
-A call that repeats an earlier call of the same answer (same name, same arguments) is dropped: it is never useful.
-A `<tool_call>` cut off at the end of the output (the token budget ran out) is still a call, with the arguments
-written so far (engine.server.partialcalls); `cut` tells that it happened.
+A call streams once it is known to be real: its name is complete and offered and its arguments have begun
+(engine.server.livecalls). Its arguments then come in pieces, written in one canonical form
+(engine.server.argstream) whose concatenation is the call's arguments in the whole-text parse too. From then on it
+stays a call: if the model's JSON breaks, the arguments end at the last point that closes into a valid object and
+the rest of that markup is dropped. A call that repeats an earlier call of the same answer (same name, same
+arguments text) is dropped: it is never useful. It is not sent while its arguments are still those of an earlier
+call, so a repeat is dropped before any of it was sent. A call cut off at the end of the output (the token budget
+ran out) is still a call, with the arguments written so far closed to a valid object; `cut` tells that it happened.
 """
 from __future__ import annotations
 
 import re
-import secrets
-import string
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from engine.server.callsyntax import (CALL_FIRST_KEYS, JSON_WS, calls_from_json, canonical, json_calls, loads,
-                                      tag_calls)
+from engine.server.callevents import CallEvents, ToolCall
+from engine.server.callsyntax import CALL_FIRST_KEYS, JSON_WS, calls_from_json, json_calls, loads, tag_calls
+from engine.server.livecalls import LiveCalls, json_head
 from engine.server.partialcalls import cut_call
 from engine.server.reasoning import partial_tail
+from engine.server.xmlcalls import WAIT, xml_head
 
 TAG_OPEN, TAG_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL = "[TOOL_CALLS]"
 FENCE = "```"
 FENCE_LANGS = ("", "json", "tool_call", "tool_calls", "tool_code")
-_ID_CHARS = string.ascii_letters + string.digits
 _MISTRAL_NAME_RE = re.compile(r"([A-Za-z0-9_.\-]+)\[ARGS\]")
 _MISTRAL_PARTIAL_RE = re.compile(r"[A-Za-z0-9_.\-]*(\[(A(R(G(S)?)?)?)?)?")
 
-# ("content", text) or ("tool_call", index, id, name, arguments)
-StreamEvent = Union[tuple[str, str], tuple[str, int, str, str, str]]
-
-
-def new_call_id() -> str:
-    return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(24))
-
-
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # a JSON object, as text
-
-    @classmethod
-    def new(cls, name: str, arguments: str) -> ToolCall:
-        return cls(new_call_id(), name, arguments)
-
-    def to_openai(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {} if index is None else {"index": index}
-        out.update(id=self.id, type="function", function={"name": self.name, "arguments": self.arguments})
-        return out
+# ("content", text); a call: ("tool_call", index, id, name, arguments so far) once, then ("tool_args", index,
+# more arguments) any number of times, then ("tool_end", index, arguments): the pieces concatenate to the last.
+StreamEvent = Union[tuple[str, str], tuple[str, int, str], tuple[str, int, str, str, str]]
 
 
 @dataclass
@@ -149,15 +134,18 @@ _WAIT = object()
 
 
 class ToolCallStreamer:
-    """feed(delta) -> events, flush() -> events; events are ("content", text) and
-    ("tool_call", index, id, name, arguments) with the whole arguments JSON once the call is complete."""
+    """feed(delta) -> events, flush() -> events (StreamEvent). `tools`: the offered names, or a mapping from each
+    name to its parameters schema (which tells the XML format's string parameters from the others); None: any
+    name counts."""
 
-    def __init__(self, tool_names: set[str] | None = None):
-        self.names = None if tool_names is None else set(tool_names)
+    def __init__(self, tools: set[str] | dict[str, Any] | None = None):
+        self.names = None if tools is None else set(tools)
+        self.schemas = dict(tools) if isinstance(tools, dict) else {}
         self.enabled = self.names is None or bool(self.names)
-        self.tool_calls: list[ToolCall] = []
+        self.calls = CallEvents(lambda event: self._events.append(event))
+        self.tool_calls = self.calls.tool_calls
         self.cut = False          # the last call was cut off (its arguments are partial)
-        self._seen: set[tuple[str, str]] = set()
+        self._live: LiveCalls | None = None
         self._buf = ""
         self._code = False        # inside a ``` block that is not a tool call
         self._bare_ok = True      # bare JSON may start here: output start or right after a call
@@ -180,13 +168,46 @@ class ToolCallStreamer:
         self._events = []
         while self._buf and self._step(final):
             pass
+        if final and self._live is not None:
+            self.cut = self._live.flush_pending(self._buf)
+            self._buf = ""
+            self._end_live()
         events: list[StreamEvent] = []
-        for e in self._events:  # one content event per run of text
-            if e[0] == "content" and events and events[-1][0] == "content":
-                events[-1] = ("content", events[-1][1] + e[1])
+        for e in self._events:  # one content event per run of text, one arguments event per run of pieces
+            last = events[-1] if events else None
+            if e[0] == "content" and last is not None and last[0] == "content":
+                events[-1] = ("content", last[1] + e[1])
+            elif e[0] == "tool_args" and last is not None and last[0] in ("tool_call", "tool_args") and last[1] == e[1]:
+                events[-1] = last[:-1] + (last[-1] + e[2],)
             else:
                 events.append(e)
         return events
+
+    def _start_live(self, kind: str, n: int, name: str | None = None) -> bool:
+        self._buf, self._scan = self._buf[n:], None
+        self._live = LiveCalls(kind, self.calls, self.names, self.schemas, name)
+        return True
+
+    def _end_live(self) -> None:
+        self._live = None
+        self._bare_ok = self._line_start = True
+
+    def _live_step(self, final: bool) -> bool:
+        n = self._live.step(self._buf, final)
+        self._buf, self._scan = self._buf[n:], None
+        if self._live.finished:
+            self._end_live()
+            return True
+        return n > 0
+
+    def _head(self, i: int):
+        """Whether a streamable call starts at buf[i]: a tuple when it does, WAIT while unknown, None if not."""
+        buf = self._buf
+        if i >= len(buf):
+            return WAIT
+        if buf[i] == "<":
+            return xml_head(buf, i, self.names)
+        return json_head(buf, i, self.names, in_list=buf[i] == "[")
 
     # --- consuming the buffer ---
     def _text(self, n: int) -> bool:
@@ -209,13 +230,7 @@ class ToolCallStreamer:
     def _call(self, calls: list[tuple[str, str]], n: int) -> bool:
         self._buf, self._scan = self._buf[n:], None
         for name, arguments in calls:
-            key = (name, canonical(arguments))
-            if key in self._seen:
-                continue
-            self._seen.add(key)
-            call = ToolCall.new(name, arguments)
-            self._events.append(("tool_call", len(self.tool_calls), call.id, name, arguments))
-            self.tool_calls.append(call)
+            self.calls.whole(name, arguments)
         self._bare_ok = self._line_start = True
         return True
 
@@ -236,6 +251,8 @@ class ToolCallStreamer:
         buf = self._buf
         if not self.enabled:
             return self._text(len(buf))
+        if self._live is not None:
+            return self._live_step(final)
         if self._code:
             close = _find_fence(buf, 0, self._line_start)
             if close >= 0:
@@ -268,6 +285,11 @@ class ToolCallStreamer:
 
     def _tag(self, final: bool) -> bool:
         buf, n = self._buf, len(TAG_OPEN)
+        head = self._head(_skip_ws(buf, n))
+        if isinstance(head, tuple):
+            return self._start_live("tag", n)
+        if head == WAIT and not final:
+            return False
         end = buf.find(TAG_CLOSE, n)
         if end < 0 and not final:
             head = buf[n:].lstrip()
@@ -294,6 +316,9 @@ class ToolCallStreamer:
             return self._open_code()
         if lang not in FENCE_LANGS:
             return self._open_code()
+        i = _skip_ws(buf, nl + 1)
+        if i < len(buf) and isinstance(json_head(buf, i, self.names, in_list=buf[i] == "["), tuple):
+            return self._start_live("fence", nl + 1)
         close = _find_fence(buf, nl + 1, True)
         if close < 0 and not final:
             head = buf[nl + 1:].lstrip()
@@ -314,6 +339,8 @@ class ToolCallStreamer:
             return False
         if not final and not _could_be_call(buf):
             return self._text(1)
+        if isinstance(json_head(buf, 0, self.names, in_list=buf[0] == "["), tuple):
+            return self._start_live("bare", 0)
         got = self._json_at(0, final)
         if got is _WAIT:
             return False
@@ -326,6 +353,8 @@ class ToolCallStreamer:
         if i == len(buf):
             return False if not final else self._text(len(MISTRAL))
         calls = None
+        if buf[i] in "{[" and isinstance(json_head(buf, i, self.names, in_list=buf[i] == "["), tuple):
+            return self._start_live("mistral", i)
         if buf[i] in "{[":
             got = self._json_at(i, final)
             if got is _WAIT:
@@ -341,6 +370,8 @@ class ToolCallStreamer:
             j = m.end()
             if j == len(buf) and not final:
                 return False
+            if j < len(buf) and buf[j] == "{" and (self.names is None or m.group(1) in self.names):
+                return self._start_live("named", j, m.group(1))
             got = self._json_at(j, final) if j < len(buf) and buf[j] == "{" else None
             if got is _WAIT:
                 return False

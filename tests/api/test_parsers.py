@@ -40,7 +40,8 @@ CASES = {
         [("get_weather", {"city": "Lyon", "unit": "celsius"})]),
     "fenced_no_lang.txt": (
         False, None, None, [("search_web", {"query": "latest Python release", "max_results": 3})]),
-    "invalid_json_tool_call.txt": (False, None, SAME, []),
+    # the call object lacks its closing brace, after complete arguments: a call once its arguments began
+    "invalid_json_tool_call.txt": (False, None, None, [("get_weather", {"city": "Paris"})]),
     "unknown_tool.txt": (False, None, SAME, []),
     "plain_braces.txt": (False, None, SAME, []),
     "python_fences.txt": (False, None, SAME, []),
@@ -87,15 +88,29 @@ def stream(chunks, starts=False, tools=TOOLS):
 
 
 def summarize(events):
+    """(content, [(name, arguments)]) from streamed events, checking the call protocol: each call begins once
+    (index in order, a fresh id), its argument pieces follow with nothing between them, and they concatenate to
+    the arguments its end gives."""
+    calls, open_call = [], None
     for e in events:
-        assert e[0] in ("content", "tool_call")
+        assert e[0] in ("content", "tool_call", "tool_args", "tool_end")
         if e[0] == "content":
-            assert len(e) == 2 and e[1]
+            assert len(e) == 2 and e[1] and open_call is None
+        elif e[0] == "tool_call":
+            assert open_call is None and e[1] == len(calls) and ID_RE.match(e[2])
+            open_call = [e[2], e[3], e[4]]
+        elif e[0] == "tool_args":
+            assert open_call is not None and e[1] == len(calls) and e[2]
+            open_call[2] += e[2]
+        else:
+            assert open_call is not None and e[1] == len(calls) and open_call[2] == e[2]
+            json.loads(e[2])
+            calls.append(open_call)
+            open_call = None
+    assert open_call is None
+    assert len({c[0] for c in calls}) == len(calls)
     content = "".join(e[1] for e in events if e[0] == "content") or None
-    calls = [e for e in events if e[0] == "tool_call"]
-    assert [e[1] for e in calls] == list(range(len(calls)))
-    assert len({e[2] for e in calls}) == len(calls) and all(ID_RE.match(e[2]) for e in calls)
-    return content, [(e[3], e[4]) for e in calls]
+    return content, [(c[1], c[2]) for c in calls]
 
 
 def random_chunks(text, rng, most=8):
@@ -171,7 +186,9 @@ PIECES = ["<tool_call>", "</tool_call>", "\n", " ", "  ", "hello", "{x}", "[1]",
           "\\", '{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"name": "nope", "arguments": {}}',
           '{"name": "get_time", "parameters": {"tz": "UTC"}}', '{"a": 1}', "```json\n", "```\n", "```", "```python\n",
           "[TOOL_CALLS]", "get_weather[ARGS]", '{"city": "Oslo"}', "<function=get_weather>",
-          "<parameter=city>\nParis\n</parameter>", "</function>", "<think>", "</think>", '"arguments": ', "é東"]
+          "<parameter=city>\nParis\n</parameter>", "</function>", "<think>", "</think>", '"arguments": ', "é東",
+          '{"name": "get_weather", "arguments": {"city": ', "NaN", "12", '"x\\u00e9\\ud83d\\ude00"', "<function=nope>",
+          "<parameter=n>", "</parameter>", ","]
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -218,8 +235,9 @@ def test_tool_names_filter():
     ('Sure: {"name": "get_weather", "arguments": {}}', 'Sure: {"name": "get_weather", "arguments": {}}', []),
     ('{"name": "get_weather"}', '{"name": "get_weather"}', []),  # bare JSON needs arguments
     ('<tool_call>{"name": "get_weather"}</tool_call>', None, ["get_weather"]),  # tagged: arguments default to {}
-    ('<tool_call>{"name": "get_weather", "arguments": {"x": NaN}}</tool_call>',
-     '<tool_call>{"name": "get_weather", "arguments": {"x": NaN}}</tool_call>', []),
+    # arguments that stop being JSON after they began: still the call, with what closes into an object
+    ('<tool_call>{"name": "get_weather", "arguments": {"x": NaN}}</tool_call>', None, ["get_weather"]),
+    ('{"name": "get_weather", "arguments": {"a": 1, "x": NaN}} then text', "then text", ["get_weather"]),
     ('<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>',
      '<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>', []),
     ('<tool_call>{"type": "function", "function": {"name": "get_time", "arguments": {}}}</tool_call>', None,
@@ -252,10 +270,20 @@ def test_plain_text_streams_at_once():
 def test_content_before_a_call_is_sent_before_the_call_completes():
     s = ToolCallStreamer(TOOLS)
     assert s.feed("I'll check.\n<tool_") == [("content", "I'll check.")]
-    assert s.feed('call>\n{"name": "get_weather", "arguments": {"ci') == []
-    events = s.feed('ty": "Paris"}}\n</tool_call>')
-    assert [(e[0], e[1], e[3], e[4]) for e in events] == [("tool_call", 0, "get_weather", '{"city": "Paris"}')]
+    assert s.feed('call>\n{"name": "get_weather", "argu') == []
+    events = s.feed('ments": {"ci')  # the name is offered and the arguments began: the call is announced
+    assert [(e[0], e[1], e[3], e[4]) for e in events] == [("tool_call", 0, "get_weather", "{")]
+    assert s.feed('ty": "Par') == [("tool_args", 0, '"city": "Par')]  # a key waits for its value
+    assert s.feed('is"}}\n</tool_call>') == [("tool_args", 0, 'is"}'), ("tool_end", 0, '{"city": "Paris"}')]
     assert s.flush() == []
+
+
+def test_arguments_stream_in_canonical_pieces_whatever_the_spacing():
+    s = ToolCallStreamer(TOOLS)
+    text = '<tool_call>{"name":"search_web","arguments":{"query":"a\\u00e9\\n","n" : 1.50}}</tool_call>'
+    got = [e for c in text for e in s.feed(c)] + s.flush()
+    assert [e[0] for e in got] == ["tool_call"] + ["tool_args"] * (len(got) - 2) + ["tool_end"] and len(got) > 4
+    assert "".join(e[-1] for e in got[:-1]) == got[-1][2] == '{"query": "aé\\n", "n": 1.5}'
 
 
 def test_bare_json_that_is_not_a_call_streams_after_its_first_key():
@@ -280,7 +308,9 @@ def test_mistral_prefix_is_held_then_resolved():
     s = ToolCallStreamer(TOOLS)
     assert s.feed("[TOOL_CA") == []
     assert s.feed("LLS]get_weather[ARGS]") == []
-    assert [e[3:] for e in s.feed('{"city": "Oslo"}')] == [("get_weather", '{"city": "Oslo"}')]
+    events = s.feed('{"city": "Oslo"}')
+    assert [e[0] for e in events] == ["tool_call", "tool_end"] and events[0][3] == "get_weather"
+    assert events[1][2] == '{"city": "Oslo"}'
 
 
 # --- reasoning ---

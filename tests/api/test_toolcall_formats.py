@@ -1,6 +1,7 @@
 """One table of tool-call formats and tool_choice values, through all three APIs (chat completions, responses,
 messages), streamed and not: the streamed fragments rebuild the non-streamed answer (per call: id, type and name
-once, arguments concatenating to the same JSON), read with the official SDKs."""
+once, arguments concatenating to the same JSON text), read with the official SDKs; a long argument arrives in
+many pieces as it is generated."""
 import json
 
 import anthropic
@@ -44,6 +45,11 @@ def rebuilt(pieces: dict[int, dict]) -> list[tuple[str, dict]]:
     return calls
 
 
+def argument_texts(pieces: dict[int, dict]) -> list[tuple[str, int]]:
+    """Per call: its arguments text as streamed, and in how many non-empty pieces it came."""
+    return [("".join(p["args"]), sum(1 for a in p["args"] if a)) for _, p in sorted(pieces.items())]
+
+
 def _piece(pieces, index):
     return pieces.setdefault(index, {"ids": [], "names": [], "types": [], "args": []})
 
@@ -53,7 +59,9 @@ def chat(base_url, fmt, choice):
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else choice
     kwargs = dict(model="scripted", messages=USER, tools=[CHAT_TOOL], tool_choice=tool_choice)
     r = client.chat.completions.create(**kwargs)
-    whole = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls or []]
+    calls = r.choices[0].message.tool_calls or []
+    whole = [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+    texts = [c.function.arguments for c in calls]
     pieces = {}
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
@@ -62,7 +70,7 @@ def chat(base_url, fmt, choice):
             p["types"] += [tc.type] if tc.type else []
             p["names"] += [tc.function.name] if tc.function.name else []
             p["args"].append(tc.function.arguments or "")
-    return whole, rebuilt(pieces), r.choices[0].finish_reason
+    return whole, rebuilt(pieces), r.choices[0].finish_reason, texts, argument_texts(pieces)
 
 
 def responses(base_url, fmt, choice):
@@ -71,6 +79,7 @@ def responses(base_url, fmt, choice):
     kwargs = dict(model="scripted", input="Weather in Paris?", tools=[RESP_TOOL], tool_choice=tool_choice)
     r = client.responses.create(**kwargs)
     whole = [(o.name, json.loads(o.arguments)) for o in r.output if o.type == "function_call"]
+    texts = [o.arguments for o in r.output if o.type == "function_call"]
     pieces = {}
     for ev in client.responses.create(stream=True, **kwargs):
         if ev.type == "response.output_item.added" and ev.item.type == "function_call":
@@ -79,7 +88,7 @@ def responses(base_url, fmt, choice):
             p["names"].append(ev.item.name)
         elif ev.type == "response.function_call_arguments.delta":
             pieces[ev.output_index]["args"].append(ev.delta)
-    return whole, rebuilt(pieces), r.status
+    return whole, rebuilt(pieces), r.status, texts, argument_texts(pieces)
 
 
 def messages(base_url, fmt, choice):
@@ -89,6 +98,7 @@ def messages(base_url, fmt, choice):
     kwargs = dict(model="scripted", max_tokens=256, messages=USER, tools=[MSG_TOOL], tool_choice=tool_choice)
     r = client.messages.create(**kwargs)
     whole = [(b.name, b.input) for b in r.content if b.type == "tool_use"]
+    texts = [json.dumps(b.input, ensure_ascii=False) for b in r.content if b.type == "tool_use"]
     pieces = {}
     with client.messages.stream(**kwargs) as stream:
         for ev in stream:
@@ -98,7 +108,7 @@ def messages(base_url, fmt, choice):
                 p["names"].append(ev.content_block.name)
             elif ev.type == "content_block_delta" and ev.delta.type == "input_json_delta":
                 pieces[ev.index]["args"].append(ev.delta.partial_json)
-    return whole, rebuilt(pieces), r.stop_reason
+    return whole, rebuilt(pieces), r.stop_reason, texts, argument_texts(pieces)
 
 
 @pytest.mark.parametrize("api", [chat, responses, messages], ids=["chat", "responses", "messages"])
@@ -106,8 +116,28 @@ def messages(base_url, fmt, choice):
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_every_format_and_tool_choice_through_every_api(scripted, api, choice, fmt):
     scripted.engine.script = FORMATS[fmt]
-    whole, streamed, finish = api(scripted.base_url, fmt, choice)
+    whole, streamed, finish, texts, streamed_texts = api(scripted.base_url, fmt, choice)
     assert whole == streamed == expected_calls(fmt, choice)
+    assert texts == [text for text, _ in streamed_texts]  # the same arguments text, not only the same JSON
     called = bool(whole)
     assert finish == {chat: "tool_calls" if called else "stop", responses: "completed",
                       messages: "tool_use" if called else "end_turn"}[api]
+
+
+LONG_CITY = "Paris, " + "the city of light on the Seine, " * 8 + "in France"
+
+
+@pytest.mark.parametrize("api", [chat, responses, messages], ids=["chat", "responses", "messages"])
+@pytest.mark.parametrize("choice", ["auto", "required"])
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_long_argument_streams_in_pieces_that_rebuild_the_answer(scripted, api, choice, fmt):
+    """The scripted model gives one token per step: a call's arguments must come as they are generated, in many
+    pieces (one per token of the long value at least), not once the call is complete."""
+    scripted.engine.script = FORMATS[fmt].replace('"Paris"', json.dumps(LONG_CITY)).replace(
+        "\nParis\n", f"\n{LONG_CITY}\n")
+    whole, streamed, _, texts, streamed_texts = api(scripted.base_url, fmt, choice)
+    cities = [LONG_CITY, "Oslo"] if fmt == "two_calls" else [LONG_CITY]
+    assert whole == streamed == [("get_weather", {"city": c}) for c in cities]
+    assert texts == [text for text, _ in streamed_texts]
+    value_tokens = len(scripted.engine.tokenizer.encode(LONG_CITY))
+    assert streamed_texts[0][1] >= value_tokens // 2 > 10, streamed_texts
