@@ -377,6 +377,7 @@ class Controller(LibraryMixin, BackendMixin, QObject):
             self.window.close()
         self.launcher.close()
         if self.library is not None:
+            self.library.find.cancel()  # a download under way stops (and continues next time)
             self.library.close()
         if self.client is not None:
             await self.client.aclose()

@@ -266,7 +266,7 @@ class FindPanel(QWidget):
         f = self.selected_file()
         if f is None or f.filename not in self.paths:
             return
-        same = sum(1 for g in self.hub_files if g.quant == f.quant and g.split is None)
+        same = sum(1 for g in self.hub_files if g.quant == f.quant and (g.parts or g.split is None))
         model = hub_reference(f.repo_id, f.quant, same) or str(self.paths[f.filename])
         error = self.controller.load_model(model)
         self.status.setText(error or f"Loading {model}…")
