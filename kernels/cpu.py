@@ -6,6 +6,11 @@
   sz = scales_and_zeros [K / group, N, 2] in x's dtype and w = (q - 8) * sz[..., 0] + sz[..., 1].
   Needs N % 16 == 0, group in {32, 64, 128, 256}. Maps our formats exactly:
   int4_sym -> zero 0; int4_asym (q*d + m) -> zero = m + 8d; ternary (c - 1)*d -> code c + 7, zero 0.
+* grouped int8 (GGUF Q8_0, Q5_0, Q5_1, Q5_K, IQ4_*: codes c in -128..127, w = c*d (+ m)) runs as two int4 planes in one
+  int4pack call: c + 128 = 16*hi + lo, so w = (hi - 8)*16d + ((lo - 8)*d + 8d + m); the [2N, K] result rows are
+  summed in pairs (`int8split_fn`).
+* every other weight (groups of 16: GGUF Q6_K, Q2_K, Q3_K) is dequantized once into a dense copy in the compute
+  dtype (`dense_fn`), cached on the weight.
 
 Which path `kernels.dispatch.linear` takes on the CPU is decided by the measurements in docs/KERNELS.md.
 The converted layouts are cached on the QuantizedWeight (`qw.cache`), keyed by purpose and activation dtype.
@@ -32,11 +37,16 @@ def has_int4pack() -> bool:
 
 
 def int8pack_supported(qw: QuantizedWeight) -> bool:
-    return qw.format == "int8" and qw.group_size == qw.in_features and has_int8pack()
+    return qw.format == "int8" and qw.group_size == qw.in_features and qw.mins is None and has_int8pack()
 
 
 def int4pack_supported(qw: QuantizedWeight) -> bool:
     return (qw.format in ("int4_asym", "int4_sym", "ternary") and qw.group_size in INT4PACK_GROUPS
+            and qw.out_features % 16 == 0 and has_int4pack())
+
+
+def int8split_supported(qw: QuantizedWeight) -> bool:
+    return (qw.format == "int8" and not int8pack_supported(qw) and qw.group_size in INT4PACK_GROUPS
             and qw.out_features % 16 == 0 and has_int4pack())
 
 
@@ -71,6 +81,39 @@ def int4pack_fn(qw: QuantizedWeight, cd: torch.dtype) -> Callable[[torch.Tensor]
     packed, sz = int4pack_prepare(qw, cd)
     op, group = torch.ops.aten._weight_int4pack_mm_for_cpu.default, qw.group_size
     return _returning(lambda x: op(x, packed, group, sz), qw.out_features, cd)
+
+
+def int8split_fn(qw: QuantizedWeight, cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x @ dequantize(qw).T for grouped int8 through one `_weight_int4pack_mm_for_cpu` call over its two
+    4-bit planes (high nibbles then low nibbles of c + 128, stacked along the outputs), computed in `cd`."""
+    key = ("int8split", cd)
+    hit = qw.cache.get(key)
+    if hit is None:
+        u = (qw.qweight.to(torch.int32) + 128)
+        planes = torch.cat((u >> 4, u & 15)).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(planes, 1)
+        d = qw.scales.float()
+        low_zero = 8 * d + (qw.mins.float() if qw.mins is not None else 0)
+        scale = torch.cat((16 * d, d))
+        zero = torch.cat((torch.zeros_like(d), low_zero))
+        sz = torch.stack((scale.t(), zero.t()), dim=-1).to(cd).contiguous()
+        hit = qw.cache[key] = (packed, sz)
+    packed, sz = hit
+    op, group, n = torch.ops.aten._weight_int4pack_mm_for_cpu.default, qw.group_size, qw.out_features
+
+    def pairs(x: torch.Tensor) -> torch.Tensor:
+        y = op(x, packed, group, sz)
+        return y[:, :n] + y[:, n:]
+    return _returning(pairs, n, cd)
+
+
+def dense_fn(qw: QuantizedWeight, cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> F.linear(x, W) over the weight dequantized once into `cd` (cached on the weight)."""
+    key = ("dense", cd)
+    w = qw.cache.get(key)
+    if w is None:
+        w = qw.cache[key] = dequantize(qw, cd)
+    return _returning(lambda x: F.linear(x, w), qw.out_features, cd)
 
 
 def int8pack_linear(x: torch.Tensor, qw: QuantizedWeight,

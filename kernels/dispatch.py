@@ -54,23 +54,26 @@ def use_triton(device: torch.device | str) -> bool:
 # ---------------------------------------------------------------------------------------------------- linear
 def cpu_linear_path(qw: QuantizedWeight, x_dtype: torch.dtype = torch.float32,
                     compute_dtype: Optional[torch.dtype] = CPU_COMPUTE_DTYPE) -> str:
-    """Which CPU path `linear` takes: 'int8pack', 'int4pack' or 'dequant' (dequantize + F.linear). The ATen low-bit
-    kernels only win with bf16 activations (their float32 and float16 kernels lose to dequant: docs/KERNELS.md)."""
+    """Which CPU path `linear` takes: 'int8pack', 'int4pack', 'int8split' (grouped int8 as two int4 planes),
+    'dense' (dequantized once into the compute dtype, for the rest) or 'dequant' (dequantize + F.linear on every
+    call). The ATen low-bit kernels only win with bf16 activations (their float32 and float16 kernels lose to
+    dequant: docs/KERNELS.md)."""
     if (compute_dtype or x_dtype) == torch.bfloat16:
         if cpu.int8pack_supported(qw):
             return "int8pack"
         if cpu.int4pack_supported(qw):
             return "int4pack"
+        if cpu.int8split_supported(qw):
+            return "int8split"
+        return "dense"
     return "dequant"
 
 
 def _cpu_linear_fn(qw: QuantizedWeight, x_dtype: torch.dtype, compute_dtype: Optional[torch.dtype]):
     path = cpu_linear_path(qw, x_dtype, compute_dtype)
-    if path == "int8pack":
-        return cpu.int8pack_fn(qw, compute_dtype or x_dtype)
-    if path == "int4pack":
-        return cpu.int4pack_fn(qw, compute_dtype or x_dtype)
-    return functools.partial(cpu.dequant_linear, qw=qw)
+    fn = {"int8pack": cpu.int8pack_fn, "int4pack": cpu.int4pack_fn, "int8split": cpu.int8split_fn,
+          "dense": cpu.dense_fn}.get(path)
+    return functools.partial(cpu.dequant_linear, qw=qw) if fn is None else fn(qw, compute_dtype or x_dtype)
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None, *,

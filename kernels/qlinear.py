@@ -23,6 +23,11 @@ from kernels._common import is_interpreted
 from kernels.quant import QuantizedWeight
 
 FMT_CODE = {"int8": 0, "int4_asym": 1, "int4_sym": 2, "ternary": 3}
+INT8_WITH_MINS = 4  # int8 codes plus a min per group (GGUF Q5_1, Q5_K)
+
+
+def fmt_code(qw: QuantizedWeight) -> int:
+    return INT8_WITH_MINS if qw.format == "int8" and qw.mins is not None else FMT_CODE[qw.format]
 
 
 @triton.jit
@@ -33,7 +38,7 @@ def _decode_tile(w_ptr, s_ptr, m_ptr, offs_n, offs_k, N, K, stride_wn, stride_sn
     Offsets are int32: the wrapper checks that the packed weight and the scales have fewer than 2**31 elements."""
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     rows = offs_n[:, None] * stride_wn
-    if FMT == 0:  # int8: q
+    if FMT == 0 or FMT == 4:  # int8: q
         q = tl.load(w_ptr + rows + offs_k[None, :], mask=mask, other=0).to(tl.float32)
     elif FMT == 3:  # ternary: 4 codes per byte, value = code - 1
         byte = tl.load(w_ptr + rows + (offs_k // 4)[None, :], mask=mask, other=0).to(tl.int32)
@@ -49,7 +54,7 @@ def _decode_tile(w_ptr, s_ptr, m_ptr, offs_n, offs_k, N, K, stride_wn, stride_sn
     else:
         g = offs_n[:, None] * stride_sn + (offs_k // GROUP)[None, :]
         w = q * tl.load(s_ptr + g, mask=mask, other=0).to(tl.float32)
-        if FMT == 1:  # int4_asym: + min
+        if FMT == 1 or FMT == 4:  # int4_asym, int8 with mins: + min
             w = w + tl.load(m_ptr + g, mask=mask, other=0).to(tl.float32)
     return w
 
@@ -137,8 +142,8 @@ def qlinear(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = No
         mins = qw.mins if qw.mins is not None else qw.scales
         grid = (M if bm == 1 else triton.cdiv(M, bm), triton.cdiv(N, bn))
         _qgemm_kernel[grid](x2, qw.qweight, qw.scales, mins, y, M, N, K, x2.stride(0), y.stride(0),
-                            qw.qweight.stride(0), qw.scales.stride(0), qw.group_size, FMT=FMT_CODE[qw.format],
-                            PER_CHANNEL=qw.num_groups == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=prec, num_warps=warps)
+                            qw.qweight.stride(0), qw.scales.stride(0), qw.group_size, FMT=fmt_code(qw),
+                            PER_CHANNEL=qw.num_groups == 1 and qw.mins is None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION=prec, num_warps=warps)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], N)
@@ -156,5 +161,5 @@ def dequantize_to(qw: QuantizedWeight, dtype: torch.dtype = torch.float16) -> to
     mins = qw.mins if qw.mins is not None else qw.scales
     grid = (triton.cdiv(N, bn), triton.cdiv(K, bk))
     _dequant_kernel[grid](qw.qweight, qw.scales, mins, out, N, K, qw.qweight.stride(0), qw.scales.stride(0),
-                          out.stride(0), qw.group_size, FMT=FMT_CODE[qw.format], BLOCK_N=bn, BLOCK_K=bk)
+                          out.stride(0), qw.group_size, FMT=fmt_code(qw), BLOCK_N=bn, BLOCK_K=bk)
     return out

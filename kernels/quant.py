@@ -4,7 +4,7 @@ Formats (weight matrix [out_features, in_features], `groups = in_features // gro
 
 | format      | qweight                          | value of element (o, i), g = i // group_size         |
 | ----------- | -------------------------------- | ---------------------------------------------------- |
-| `int8`      | int8  [out, in]                  | q[o, i] * scales[o, g]  (per channel: group = in)     |
+| `int8`      | int8  [out, in]                  | q * scales[o, g] (+ mins[o, g] where given)          |
 | `int4_asym` | uint8 [out, in // 2]             | q * scales[o, g] + mins[o, g],  q in 0..15 (GGUF Q4_1)|
 | `int4_sym`  | uint8 [out, in // 2]             | (q - 8) * scales[o, g],         q in 0..15 (GGUF Q4_0)|
 | `ternary`   | uint8 [out, in // 4]             | (c - 1) * scales[o, g],  c in 0..2 (3 decodes to +2)  |
@@ -54,8 +54,9 @@ class QuantizedWeight:
         if not self.scales.is_floating_point() or tuple(self.scales.shape) != groups:
             raise ValueError(f"scales must be float [{groups[0]}, {groups[1]}], got {self.scales.dtype} "
                              f"{list(self.scales.shape)}")
-        if (self.format == "int4_asym") != (self.mins is not None):
-            raise ValueError("mins are required for int4_asym and only for it")
+        if self.format == "int4_asym" and self.mins is None or self.format in ("int4_sym", "ternary") \
+                and self.mins is not None:
+            raise ValueError("mins are required for int4_asym, optional for int8, and not taken by the others")
         if self.mins is not None and (tuple(self.mins.shape) != groups or not self.mins.is_floating_point()):
             raise ValueError(f"mins must be float [{groups[0]}, {groups[1]}]")
 
@@ -282,3 +283,17 @@ def from_gguf(raw_blocks: torch.Tensor, ggml_type: str, shape: tuple[int, int]) 
     if ggml_type not in table:
         raise ValueError(f"GGML type {ggml_type} cannot be repacked; supported: {sorted(table)}")
     return table[ggml_type](raw_blocks, shape)
+
+
+def as_int8(qw: QuantizedWeight, group_size: int) -> QuantizedWeight:
+    """The same weight as int8 codes with float32 scales and mins in groups of `group_size` (a divisor of its own
+    group): exact for every format (int4 and ternary codes are int8 codes with a shifted origin), so weights of
+    different formats can be stacked into one without requantizing."""
+    if qw.group_size % group_size:
+        raise ValueError(f"group_size {group_size} must divide the weight's group of {qw.group_size}")
+    c = codes(qw).to(torch.int16)
+    c = c - 8 if qw.format == "int4_sym" else c - 1 if qw.format == "ternary" else c
+    repeat = qw.group_size // group_size
+    scales = qw.scales.float().repeat_interleave(repeat, dim=1)
+    mins = torch.zeros_like(scales) if qw.mins is None else qw.mins.float().repeat_interleave(repeat, dim=1)
+    return QuantizedWeight("int8", c.to(torch.int8).contiguous(), scales, mins, group_size, qw.shape)

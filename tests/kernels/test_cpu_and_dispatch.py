@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import cpu, dispatch
-from kernels.quant import quantize
+from kernels.quant import QuantizedWeight, quantize
 from kernels.reference import (paged_decode_attention_ref, quant_linear_ref, rms_norm_ref, rope_ref, rope_tables,
                                silu_and_mul_ref)
 from tests.kernels.tolerances import assert_close
@@ -42,6 +42,27 @@ def test_aten_cpu_paths_match_the_twin(fmt, group, fn):
     assert mx < 1e-2 and nrm < 5e-3
 
 
+@pytest.mark.parametrize("group,mins", [(32, False), (64, True), (128, False)])
+def test_grouped_int8_as_two_int4_planes_and_the_dense_path_match_the_twin(group, mins, monkeypatch):
+    """Grouped int8 (GGUF Q8_0, Q5_0; with mins Q5_1, Q5_K) through one int4pack call over its two 4-bit planes,
+    and a group-16 weight through its cached dense bf16 copy: within the bf16 tolerance of the twin, with codes
+    reaching -128 and 127. (The Triton kernel's int8 with mins: test_qlinear.)"""
+    monkeypatch.setenv("NINFER_NO_TRITON", "1")
+    qw = quantize(torch.randn(96, 512) * 0.05, "int8", group)
+    qw.qweight[0, :4] = torch.tensor([-128, 127, -1, 0], dtype=torch.int8)
+    if mins:
+        qw = QuantizedWeight("int8", qw.qweight, qw.scales.half(), (torch.randn(96, 512 // group) * 0.02).half(),
+                             group, qw.shape)
+    g16 = quantize(torch.randn(96, 512) * 0.05, "int8", 16)
+    for weight, path in ((qw, "int8split"), (g16, "dense")):
+        assert dispatch.cpu_linear_path(weight) == path
+        for b in (1, 5):
+            x = torch.randn(b, 512)
+            y = dispatch.linear(x, weight)
+            mx, nrm = rel_err(y, quant_linear_ref(x, weight))
+            assert y.dtype == torch.float32 and mx < 1e-2 and nrm < 5e-3, (path, b, mx, nrm)
+
+
 def test_dequant_path_matches_the_twin():
     for fmt, group in [("int8", 32), ("int4_asym", 32), ("ternary", 64)]:
         qw = quantize(torch.randn(40, 256), fmt, group)
@@ -53,11 +74,12 @@ def test_dequant_path_matches_the_twin():
 def test_cpu_path_choice():
     bf16 = torch.bfloat16
     assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "int8")) == "int8pack"
-    assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "int8", 32)) == "dequant"  # grouped (Q8_0)
+    assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "int8", 32)) == "int8split"  # grouped (Q8_0)
     assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "int4_asym", 32)) == "int4pack"
     assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "ternary", 64)) == "int4pack"
-    assert dispatch.cpu_linear_path(quantize(torch.randn(40, 128), "int4_sym", 32)) == "dequant"  # N % 16
-    assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "int4_sym", 16)) == "dequant"  # group 16
+    assert dispatch.cpu_linear_path(quantize(torch.randn(40, 128), "int4_sym", 32)) == "dense"  # N % 16
+    assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "int4_sym", 16)) == "dense"  # group 16 (Q6_K)
+    assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "int8", 16)) == "dense"
     # exact float32 compute requested: the ATen float32 kernels are slower than dequantize + F.linear
     assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "int8"), torch.float32, None) == "dequant"
     assert dispatch.cpu_linear_path(quantize(torch.randn(64, 128), "int8"), bf16, None) == "int8pack"

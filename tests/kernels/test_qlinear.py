@@ -72,3 +72,16 @@ def test_shape_mismatch_raises():
     with pytest.raises(ValueError):
         qlinear(torch.randn(2, 32), qw)
     assert qlinear(torch.randn(0, 64), qw).shape == (0, 16)
+
+
+def test_int8_with_mins_through_the_kernel():
+    """int8 codes with a min per group (GGUF Q5_1 and Q5_K, engine/model/gguf_exact.py): the GEMV, the tile path and
+    dequantize_to against the twin, for one group per row too (the per-channel shortcut must not drop the mins)."""
+    from kernels.quant import QuantizedWeight
+    for n, k, group in ((197, 384, 32), (64, 128, 128)):
+        base = quantize(torch.randn(n, k) * 0.1, "int8", group)
+        qw = QuantizedWeight("int8", base.qweight, base.scales, torch.randn(n, k // group) * 0.05, group, (n, k))
+        for b in (1, 5):
+            x = torch.randn(b, k)
+            assert_close(qlinear(x, qw), quant_linear_ref(x, qw), what=f"int8+mins g{group} batch {b}")
+        assert torch.equal(dequantize_to(qw, torch.float32), dequantize(qw))
