@@ -83,3 +83,9 @@ def test_a_server_with_another_tokenizer_is_refused():
 
     with pytest.raises(NInferError, match="do not share a tokenizer"):
         bounded_position(torch.zeros(3), [("zebra", -0.1)], 0, {"a": [0], "b": [1], "c": [2]}, ["a", "b", "c"])
+
+
+def test_server_options_without_a_server_are_refused(tiny, capsys):  # noqa: F811
+    folder, _, text = tiny
+    assert cli.main(["kld", str(folder), "--text", str(text), "--ctx", "64", "--stride", "4", "--no-progress"]) == 1
+    assert "--url" in capsys.readouterr().err

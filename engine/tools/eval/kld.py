@@ -149,6 +149,9 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
     if args.url and args.llama_cpp:
         raise NInferError("--llama-cpp runs llama.cpp in process and --url measures a server: give one of them.",
                           "Drop --url, or drop --llama-cpp.")
+    if not args.url and (args.stride != 1 or args.top_logprobs != 20):
+        raise NInferError("--stride and --top-logprobs apply to a server (--url) only; in process every position "
+                          "is compared over the full vocabulary.", "Drop them, or give --url.")
     if args.url:
         if args.top_logprobs < 1 or args.stride < 1:
             raise NInferError("--top-logprobs and --stride must be 1 or more.", "E.g. --top-logprobs 20 --stride 4.")
