@@ -21,6 +21,42 @@ from engine.server.responses_input import ResponseTools
 _ITEM_PREFIX = {"function_call": "fc", "custom_tool_call": "ctc", "local_shell_call": "lsh"}
 
 
+class _InputText:
+    """A custom tool's input read out of its streamed arguments when they begin with it: the pieces after
+    `{"input": "` are JSON string text, each holding whole escapes (engine.server.argstream), decoded as they
+    come until the string's closing quote."""
+    PREFIX = '{"input": "'
+
+    def __init__(self):
+        self.head = ""
+        self.streaming = False
+        self.closed = False
+        self.streamed = ""
+
+    def feed(self, piece: str) -> str:
+        if self.closed:
+            return ""
+        if not self.streaming:
+            self.head += piece
+            if not self.head.startswith(self.PREFIX[:len(self.head)]):
+                self.closed = True  # the arguments begin otherwise: the input comes whole at the end
+                return ""
+            if len(self.head) < len(self.PREFIX):
+                return ""
+            self.streaming, piece = True, self.head[len(self.PREFIX):]
+        i, out = 0, []
+        while i < len(piece):
+            if piece[i] == '"':
+                self.closed = True
+                break
+            step = 6 if piece.startswith("\\u", i) else 2 if piece[i] == "\\" else 1
+            out.append(piece[i:i + step])
+            i += step
+        text = json.loads('"' + "".join(out) + '"') if out else ""
+        self.streamed += text
+        return text
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
@@ -126,49 +162,59 @@ class ResponseReply:
         yield self._event(name, item_id=item["id"], output_index=len(self.output) - 1, content_index=0, delta=text)
 
     def _call(self, event):
-        """A call's events: a function call's arguments stream as `response.function_call_arguments.delta` while
-        they are generated; custom and shell calls are given whole once they end (their input is read from the
-        complete arguments)."""
+        """A call's events: a function call's arguments stream as `response.function_call_arguments.delta` and a
+        custom call's input as `response.custom_tool_call_input.delta` while they are generated (the input when the
+        arguments begin with it, else in one piece at the end); a shell call is given whole once it ends."""
         if event[0] == "tool_call":
             _, index, call_id, name, arguments = event
             yield from self._close()
             item = self.tools.output_item(call_id, name, "", "")
-            self._calls[index] = {"call_id": call_id, "name": name, "item": None}
-            if item["type"] != "function_call":
+            self._calls[index] = {"call_id": call_id, "name": name, "item": None, "input": _InputText()}
+            if item["type"] == "local_shell_call":
                 return
-            item.update(id=new_id(_ITEM_PREFIX["function_call"]), status="in_progress")
+            item.update(id=new_id(_ITEM_PREFIX[item["type"]]), status="in_progress")
             self.output.append(item)
             self._calls[index]["item"] = item
             yield self._event("response.output_item.added", output_index=len(self.output) - 1, item=dict(item))
             event = ("tool_args", index, arguments)
         call = self._calls[event[1]]
         item = call["item"]
-        if event[0] == "tool_args" and item is not None and event[2]:
-            yield self._event("response.function_call_arguments.delta", item_id=item["id"],
-                              output_index=self.output.index(item), delta=event[2])
-        elif event[0] == "tool_end":
-            if item is not None:
+        if item is None:
+            if event[0] == "tool_end":
+                yield from self._shell_call(call["call_id"], call["name"], event[2])
+            return
+        at = self.output.index(item)
+        if item["type"] == "function_call":
+            if event[0] == "tool_args" and event[2]:
+                yield self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=at,
+                                  delta=event[2])
+            elif event[0] == "tool_end":
                 item["arguments"] = event[2]
-                yield self._event("response.function_call_arguments.done", item_id=item["id"],
-                                  output_index=self.output.index(item), arguments=event[2])
+                yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                                  arguments=event[2])
                 yield from self._done(item)
-            else:
-                yield from self._whole_call(call["call_id"], call["name"], event[2])
+            return
+        text = call["input"]
+        if event[0] == "tool_args":
+            delta = text.feed(event[2])
+        elif text.streaming:  # the input streamed is the input, also where the arguments go on after it
+            item["input"], delta = text.streamed, ""
+        else:
+            item["input"] = delta = self.tools.output_item(call["call_id"], call["name"], event[2], "")["input"]
+        if delta:
+            yield self._event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=at,
+                              delta=delta)
+        if event[0] == "tool_end":
+            yield self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=at,
+                              input=item["input"])
+            yield from self._done(item)
 
-    def _whole_call(self, call_id: str, name: str, arguments: str):
+    def _shell_call(self, call_id: str, name: str, arguments: str):
         done = self.tools.output_item(call_id, name, arguments, "")
         done["id"] = new_id(_ITEM_PREFIX[done["type"]])
-        start = {**done, "status": "in_progress"}
-        if done["type"] == "custom_tool_call":
-            start["input"] = ""
         self.output.append(done)
-        idx = len(self.output) - 1
-        yield self._event("response.output_item.added", output_index=idx, item=start)
-        if done["type"] == "custom_tool_call":
-            yield self._event("response.custom_tool_call_input.delta", item_id=done["id"], output_index=idx,
-                              delta=done["input"])
-            yield self._event("response.custom_tool_call_input.done", item_id=done["id"], output_index=idx,
-                              input=done["input"])
+        yield self._event("response.output_item.added", output_index=len(self.output) - 1,
+                          item={**done, "status": "in_progress"})
         yield from self._done(done)
 
     async def sse(self):
