@@ -27,25 +27,25 @@ def counts() -> tuple[int, int]:
 
 
 def emit_many(source: Source, n: int) -> None:
-    for i in range(n):
-        source.flag.emit(i % 2 == 0)
+    for _ in range(n):  # no True among the arguments: only emit's own result can change True's count
+        source.flag.emit(False)
         source.bare.emit()
 
 
-def test_emit_loses_at_most_one_reference_to_true_and_none_to_false(qapp):
+def test_emit_loses_one_reference_to_true_per_call_and_none_to_false(qapp):
     source = Source()
-    received = []
-    source.flag.connect(received.append)
+    source.flag.connect(lambda checked: None)
+    source.bare.connect(lambda: None)
     emit_many(source, 10)  # first emits may cache things
-    received.clear()
     false_before, true_before = counts()
     emit_many(source, EMITS)
-    received.clear()
     false_after, true_after = counts()
-    assert false_after == false_before
-    # 6.12.0: exactly one per emit (two emits per round); a PySide6 without the bug: none. Anything else is a new leak.
-    assert true_before - true_after in (0, 2 * EMITS)
-    assert qtcompat.true_refcount_leaks() == (true_before - true_after == 2 * EMITS)
+    # The package's embedded engine runs in other threads and may take or drop a few references meanwhile.
+    slack = EMITS // 10
+    assert abs(false_after - false_before) <= slack
+    # 6.12.0: one per emit (two emits per round); a PySide6 without the bug: none. Anything else is a new leak.
+    expected = 2 * EMITS if qtcompat.true_refcount_leaks() else 0
+    assert abs((true_before - true_after) - expected) <= slack
 
 
 @pytest.mark.xfail(BUGGY, reason="PySide6 6.12.0 SignalInstance.emit returns True without a reference", strict=True)
