@@ -34,6 +34,13 @@ class LocalModel:
         """When this model last finished loading here (seconds since the epoch), None when never."""
         from engine.library.usage import last_used
 
+        if self.parts:  # a split model is loaded from the file its parts were merged into
+            from engine.library.split import merged_path
+
+            try:
+                return last_used(merged_path(list(self.parts)))
+            except OSError:
+                return None
         return last_used(self.path)
 
     @property

@@ -68,9 +68,12 @@ def test_a_split_model_is_listed_marked_downloaded_merged_listed_and_removed_as_
     assert not list((hf_home / "hub").rglob("blobs/*"))
 
 
-def test_a_folder_split_model_loads_by_any_part_and_a_missing_part_is_named(tmp_path, hf_home):
+def test_a_folder_split_model_loads_by_any_part_and_a_missing_part_is_named(tmp_path, hf_home, monkeypatch):
+    from engine.library import usage
     from engine.library.hub import LibraryError
     from engine.model.loader import resolve_model_path
+
+    monkeypatch.setenv("NINFER_HOME", str(tmp_path / "ninfer-home"))
 
     folder = tmp_path / "models"
     folder.mkdir()
@@ -82,6 +85,9 @@ def test_a_folder_split_model_loads_by_any_part_and_a_missing_part_is_named(tmp_
     merged = resolve_model_path(str(folder / "Mine-Q8_0-00002-of-00003.gguf"))
     _same_model(merged, whole)
     assert resolve_model_path(str(listed[0].path)) == merged  # merged once
+    assert listed[0].last_used is None
+    usage.record(merged, when=1234.0)  # what loading it records
+    assert listed[0].last_used == 1234.0
     (folder / "Mine-Q8_0-00003-of-00003.gguf").unlink()
     with pytest.raises(LibraryError, match="Mine-Q8_0-00003-of-00003.gguf is missing"):
         split.sibling_parts(folder / "Mine-Q8_0-00001-of-00003.gguf")
