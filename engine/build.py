@@ -42,6 +42,7 @@ class LoadedEngine:
     dtype: torch.dtype
     load_seconds: float = 0.0
     ledger: Ledger | None = None  # the memory ledger the KV pools were sized with
+    weight_storage: str = ""  # what each stored type became: "210 x Q4_1 -> int4, 61 x F32, 1 x Q8_0 -> float32"
 
     @property
     def context_window(self) -> int:
@@ -117,7 +118,8 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     native = c.weight_dtype == "auto" or c.weight_dtype in LOW_BIT
     path, weights = load_weights(model, progress, cancel, native=native)
     cfg = weights.config
-    log.info("loaded %s (%s, %s): %s", path.name, cfg.arch, weights.source_format, weights.storage_summary())
+    storage = weights.storage_summary()
+    log.info("loaded %s (%s, %s): %s", path.name, cfg.arch, weights.source_format, storage)
     tokenizer = Tokenizer.from_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
     fmt = weight_format(c.weight_dtype, weights)
     wdtype = pick_dtype("auto" if fmt or c.weight_dtype == "auto" else c.weight_dtype, dev)
@@ -157,4 +159,4 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
         log.info("speculative decoding: %s, up to %d draft tokens", speculator.method, speculator.max_draft)
     engine = Engine(runner, c.replace(max_context=context), eos_ids=tokenizer.eos_token_ids, speculator=speculator,
                     state_snapshots=snapshots)
-    return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0, ledger)
+    return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0, ledger, storage)

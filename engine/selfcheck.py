@@ -56,7 +56,8 @@ def lossy_parts(weights, fmt: str, kv_dtype) -> list[str]:
     parts = []
     stored = weight_format("auto", weights)
     if fmt and fmt != stored:
-        kinds = sorted({k for n, k in weights.storage.items() if n.endswith("proj.weight")}) or ["dense"]
+        kinds = sorted({k.split(" -> ")[0] for n, k in weights.storage.items() if n.endswith("proj.weight")}) \
+            or ["dense"]
         parts.append(f"--weight-dtype {fmt} (the file stores {'/'.join(kinds[:3])})")
     if isinstance(kv_dtype, str):
         parts.append(f"--kv-dtype {kv_dtype}")

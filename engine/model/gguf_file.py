@@ -15,8 +15,9 @@ from gguf.quants import dequantize
 from engine.errors import ModelLoadError
 from engine.model.config import GGUF_ARCHS, GGUF_HYBRID_ARCHS, GGUF_MOE_ARCHS, LinearAttentionConfig, ModelConfig
 from engine.model.gguf_names import column_heads, gguf_name, hf_name, restore, row_order, stored_shape, untile
-from engine.model.linear import INT4_GROUP, TERNARY_GROUP, is_linear
-from kernels.quant import from_gguf, quantize_int4, quantize_int8, quantize_ternary
+from engine.model.gguf_exact import EXACT_LAYOUTS, STORED_AS, pack_exact, probe_planes
+from engine.model.linear import TERNARY_GROUP, is_linear
+from kernels.quant import QuantizedWeight, dequantize as dequantize_weight, from_gguf, quantize_ternary
 from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete, expected_shapes
 
 log = logging.getLogger("ninfer.model")
@@ -139,40 +140,36 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
                          "Supported: none, linear, and llama3 frequency factors (rope_freqs).")
 
 
-NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "TQ2_0")  # kept as stored (kernels.quant) when native=True
-# Other low-bit GGUF types of linear weights, with native=True: decoded by the gguf package, then stored in the
-# nearest format the kernels run (said in the load log). TQ1_0 is ternary already (exact); a Q4_K sub-block is 32
-# values on a 16-level grid, which an int4 group of 32 holds exactly where its codes span 0..15 (1.5% relative error
-# on random blocks); 5- and 6-bit types lose more as int4 / int8 (per channel).
-NEAREST_FORMAT = {"TQ1_0": "ternary", "Q2_K": "int4", "Q3_K": "int4", "Q4_K": "int4", "Q5_0": "int4",
-                  "Q5_1": "int4", "Q5_K": "int4", "IQ4_NL": "int4", "IQ4_XS": "int4", "Q6_K": "int8", "Q8_1": "int8",
-                  "Q8_K": "int8"}
+NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "TQ2_0")  # repacked from their blocks (kernels.quant) when native=True
+DENSE_TYPES = ("F32", "F16", "BF16", "F64")
 
 
-def nearest_native(dense: torch.Tensor, gguf_type: str):
-    """A linear weight decoded from `gguf_type` in the nearest format the kernels run (kernels.quant), or None
-    where its shape does not fit that format's groups (it then stays dense)."""
-    fmt = NEAREST_FORMAT[gguf_type]
-    in_features = dense.shape[1]
-    if fmt == "ternary" and in_features % TERNARY_GROUP == 0:
-        return quantize_ternary(dense, TERNARY_GROUP, scale="absmax")
-    if fmt == "int4" and in_features % INT4_GROUP == 0:
-        return quantize_int4(dense, INT4_GROUP, symmetric=False)
-    if fmt == "int8":
-        return quantize_int8(dense)
-    return None
+def exact_native(values: np.ndarray, kind: str, blocks: np.ndarray, reorder) -> QuantizedWeight | None:
+    """A linear weight of another low-bit type (engine.model.gguf_exact) in a format the kernels run, holding
+    exactly the gguf package's decoding `values` (already reordered); None where no format does (it stays dense)."""
+    dense = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    if kind == "TQ1_0":  # ternary already: absmax scales hold it
+        if dense.shape[1] % TERNARY_GROUP:
+            return None
+        qw = quantize_ternary(dense, TERNARY_GROUP, scale="absmax")
+        return qw if torch.equal(dequantize_weight(qw), dense) else None
+    if kind not in EXACT_LAYOUTS:
+        return None
+    scale, minimum = probe_planes(blocks, kind)
+    plane = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(reorder(a)))  # noqa: E731
+    return pack_exact(dense, plane(scale), plane(minimum), kind)
 
 
 def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Event | None = None,
               native: bool = False) -> LoadedWeights:
-    """Tensors under HF names: dequantized to float32, or with native=True the linear weights stored as
-    Q4_0/Q4_1/Q8_0/TQ2_0 kept in that format as kernels.quant.QuantizedWeight (no requantizing), and those of the
-    other low-bit types (NEAREST_FORMAT) decoded and stored in the nearest format the kernels run."""
+    """Tensors under HF names: dequantized to float32, or with native=True the linear weights of the low-bit types
+    as kernels.quant.QuantizedWeight holding exactly what the file holds: Q4_0/Q4_1/Q8_0/TQ2_0 repacked from their
+    blocks, the other types of engine.model.gguf_exact decoded and checked bit for bit; a weight no format holds
+    exactly stays dense float32. `storage` says what each GGUF type became ("Q5_0 -> int8"), and so does the log."""
     reader = open_gguf(path)
     cfg = read_config(reader, path)
     tensors: dict[str, torch.Tensor] = {}
     storage: dict[str, str] = {}
-    converted: dict[str, int] = {}  # GGUF type -> tensors stored in its NEAREST_FORMAT
     ticker = Ticker(len(reader.tensors), progress, cancel)
     expected = expected_shapes(cfg)
     main_layers = cfg.num_layers if cfg.arch in GGUF_HYBRID_ARCHS else None
@@ -196,6 +193,7 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
             if cols is not None:  # whole blocks of a head's columns move
                 k_heads, v_heads, width = cols
                 raw = raw.reshape(shape[0], shape[1] // block, -1)[:, untile(k_heads, v_heads, width // block)]
+            storage[name] = f"{kind} -> {STORED_AS[kind]}"
             try:
                 tensors[name] = from_gguf(torch.from_numpy(np.ascontiguousarray(raw).reshape(shape[0], -1)),
                                           kind, shape)
@@ -208,24 +206,30 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
         except Exception as e:
             raise ModelLoadError(f"{path.name}: tensor {t.name} ({kind}) cannot be decoded: {e}.",
                                  "The file is damaged or uses a quantization this version cannot read.") from None
-        if rows is not None:
-            arr = arr[rows]
-        if cols is not None:
-            arr = arr[:, untile(*cols)]
+
+        def reorder(a: np.ndarray) -> np.ndarray:
+            a = a.reshape(shape)
+            if rows is not None:
+                a = a[rows]
+            return a if cols is None else a[:, untile(*cols)]
+
+        arr = reorder(arr)
         try:
             arr = restore(name, arr, cfg)
         except ValueError as e:
             raise ModelLoadError(f"{path.name}: tensor {t.name} cannot be read: {e}.",
                                  "The file is damaged or was converted wrongly; convert it again.") from None
+        if native and kind not in DENSE_TYPES:
+            exact = exact_native(arr, kind, np.asarray(t.data).reshape(shape[0], -1), reorder) \
+                if is_linear(name) and len(shape) == 2 else None
+            storage[name] = f"{kind} -> {STORED_AS[kind] if exact is not None else 'float32'}"
+            if exact is not None:
+                tensors[name] = exact
+                continue
         tensors[name] = torch.from_numpy(np.array(arr, dtype=np.float32, order="C"))  # own copy: the file stays read-only
-        if native and is_linear(name) and kind in NEAREST_FORMAT and len(shape) == 2:
-            nearest = nearest_native(tensors[name], kind)
-            if nearest is not None:
-                tensors[name] = nearest
-                storage[name] = f"{kind} as {NEAREST_FORMAT[kind]}"
-                converted[kind] = converted.get(kind, 0) + 1
-    for kind, n in converted.items():
-        log.info("%s: %d %s tensors decoded by the gguf package and stored as %s (the nearest format the kernels "
-                 "run)", path.name, n, kind, NEAREST_FORMAT[kind])
+    converted = LoadedWeights(cfg, {}, "gguf", {n: k for n, k in storage.items() if " -> " in k}).storage_summary()
+    if converted:
+        log.info("%s: GGUF types as stored for the kernels (never fewer bits than the file): %s", path.name,
+                 converted)
     check_complete(cfg, tensors, path.name, lambda n: gguf_name(n, cfg.arch))
     return LoadedWeights(cfg, tensors, "gguf", storage)

@@ -6,12 +6,13 @@ CUDA, ATen's int8/int4 pack kernels on the CPU."""
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 import torch.nn.functional as F
 
 from kernels import dispatch
-from kernels.quant import QuantizedWeight, dequantize, quantize_int4, quantize_int8, quantize_ternary
+from kernels.quant import QuantizedWeight, as_int8, dequantize, quantize_int4, quantize_int8, quantize_ternary
 
 log = logging.getLogger("ninfer.model")
 
@@ -42,19 +43,20 @@ def native_format(tensors: dict[str, Weight]) -> str | None:
 def convert(name: str, t: Weight, fmt: str, dtype: torch.dtype, device: torch.device,
             keep_native: bool = False) -> Weight:
     """One tensor in the format the model runs: dense tensors for norms/embeddings, `fmt` for linear weights.
-    The output layer of a low-bit model is int8 per channel (it reads the same bytes as the embedding's Q8_0).
-    `keep_native` (--weight-dtype auto): a linear weight already in a runnable low-bit format (int4, ternary, int8
-    per channel) keeps it, even where most layers use another (a Q4_K_M file's Q6_K layers stay int8)."""
-    if fmt not in LOW_BIT or not is_linear(name):
-        dense = dequantize(t, torch.float32) if isinstance(t, QuantizedWeight) else t
-        return dense.to(device=device, dtype=dtype)
-    want = "int8" if name == "lm_head.weight" else fmt
+    `keep_native` (--weight-dtype auto): a linear weight keeps the format it was loaded in, low-bit or dense (a GGUF
+    file's weights are never stored with fewer bits than the file gives them, engine/model/gguf_exact.py). The
+    output layer on the CPU is dense in `dtype`, from the exact weights: the logits are float32-accurate (the CPU
+    low-bit kernels compute in bf16); elsewhere a low-bit model's output layer is int8 per channel unless kept."""
+    dense = lambda: dequantize(t, torch.float32) if isinstance(t, QuantizedWeight) else t  # noqa: E731
+    head = name == "lm_head.weight"
+    if fmt not in LOW_BIT or not is_linear(name) or head and device.type == "cpu":
+        return dense().to(device=device, dtype=dtype)
+    if keep_native:
+        return t.to(device) if isinstance(t, QuantizedWeight) else t.to(device=device, dtype=dtype)
+    want = "int8" if head else fmt
     if isinstance(t, QuantizedWeight) and _matches(t, want):
         return t.to(device)
-    if keep_native and isinstance(t, QuantizedWeight) and name != "lm_head.weight" \
-            and _matches(t, {"int4_asym": "int4", "int4_sym": "int4"}.get(t.format, t.format)):
-        return t.to(device)
-    dense = (dequantize(t, torch.float32) if isinstance(t, QuantizedWeight) else t).float()
+    dense = dense().float()
     if want == "int8":
         q = quantize_int8(dense)
     elif want == "int4":
@@ -74,14 +76,23 @@ def fuse(parts: list[Weight]) -> Weight:
     """Stacks weights along the output dimension so q/k/v (or gate/up) run as one matmul."""
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)
+    if all(isinstance(p, QuantizedWeight) for p in parts) and len({p.scales.dtype for p in parts}) > 1 \
+            and len({(p.format, p.group_size, p.mins is None) for p in parts}) == 1:  # float32 scales for all: exact
+        wide = lambda t: None if t is None else t.float()  # noqa: E731
+        parts = [QuantizedWeight(p.format, p.qweight, wide(p.scales), wide(p.mins), p.group_size, p.shape)
+                 for p in parts]
     first = parts[0]
     same = all(isinstance(p, QuantizedWeight) and p.format == first.format and p.group_size == first.group_size
-               and p.scales.dtype == first.scales.dtype for p in parts)
-    if not same:  # mixed storage (e.g. a GGUF with Q6_K beside Q4_1): requantize to the first one's format
-        fmt = {"int4_asym": "int4", "int4_sym": "int4"}.get(first.format, first.format)
-        parts = [p if isinstance(p, QuantizedWeight) and p.format == first.format
-                 else convert("x_proj.weight", p, fmt, torch.float32, first.device) for p in parts]
-        log.info("requantized a mixed-format fused weight to %s", first.format)
+               and p.scales.dtype == first.scales.dtype and (p.mins is None) == (first.mins is None) for p in parts)
+    if not same and all(isinstance(p, QuantizedWeight) for p in parts):
+        # mixed low-bit storage (a Q4_K_M file's Q4_K q/k beside a Q6_K v): int8 with mins holds each exactly
+        group = math.gcd(*(p.group_size for p in parts))
+        parts, first = [as_int8(p, group) for p in parts], as_int8(first, group)
+        log.info("stacked a mixed-format fused weight as int8 in groups of %d (exact)", group)
+    elif not same:  # low-bit beside dense parts (a weight no low-bit format holds exactly): dense, exact
+        dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
+        log.info("a fused weight with dense parts runs dense (%s)", str(dtype).split(".")[-1])
+        return torch.cat([dequantize(p, dtype) if isinstance(p, QuantizedWeight) else p for p in parts])
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)  # noqa: E731
     return QuantizedWeight(first.format, cat([p.qweight for p in parts]), cat([p.scales for p in parts]),
                            cat([p.mins for p in parts]), first.group_size,

@@ -73,5 +73,6 @@ def model_card(state: ServerState, model_id: str) -> dict:
     template = (getattr(loaded.tokenizer, "chat_template", None) or "") if loaded is not None else ""
     return {"id": model_id, "object": "model", "created": state.created, "owned_by": "ninfer",
             "context_window": ctx, "max_model_len": ctx, "max_output_tokens": ctx,
+            "weight_storage": getattr(loaded, "weight_storage", None) or None,  # "132 x Q5_0 -> int8, ..."
             "capabilities": {"chat": bool(template), "tools": "tools" in template, "reasoning": "<think>" in template,
                              "vision": False, "structured_output": True}}
