@@ -76,6 +76,7 @@ class Engine:
         self.eos_ids = eos_ids
         self.speculator = speculator  # speculative decoding (engine.spec), or None
         self._commands: queue.Queue = queue.Queue()
+        self._abort_requested: set[str] = set()  # request ids; the running step checks them between its layers
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._admitted = threading.Semaphore(max_concurrency + max_queue)  # bounds running + waiting
@@ -130,6 +131,7 @@ class Engine:
         return stream
 
     def abort(self, request_id: str) -> None:
+        self._abort_requested.add(request_id)  # seen by a step in progress (Engine._abort_check)
         self._commands.put(("abort", request_id))
 
     def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -187,6 +189,7 @@ class Engine:
                 seq = self.scheduler.find(arg)
                 if seq is not None:
                     self._end(seq, "abort")
+                self._abort_requested.discard(arg)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -208,7 +211,8 @@ class Engine:
             else:
                 tokens, logits = seq.tokens[start:start + n], "last" if start + n == len(seq.tokens) else None
             self.memory.before_step(seq, start, len(tokens), verify=seq.request_id in drafts)
-            works.append(Work(tokens, start, seq.pages, logits, seq.memory.state))
+            works.append(Work(tokens, start, seq.pages, logits, seq.memory.state,
+                              self._abort_check(seq) if n > 1 else None))
         t0 = time.perf_counter()
         logits = self.runner.run(works)
         seconds = time.perf_counter() - t0
@@ -216,6 +220,8 @@ class Engine:
         hidden = self.runner.model.hidden if self.speculator is not None and self.speculator.needs_hidden else None
         kept, row, chosen = [], 0, []
         for (seq, n), rows, work in zip(plan, logits, works):
+            if seq.status is Status.FINISHED:  # aborted during the step: it left it, its memory is back
+                continue
             if hidden is not None:
                 kept.append((seq, work.start, row))
                 row += len(work.tokens)
@@ -244,6 +250,18 @@ class Engine:
         if self.speculator is not None:  # what the whole step cost (drafting, the forward, verification)
             self.speculator.step_done(sum(len(w.tokens) for w in works), len(works), prefill > 0,
                                       time.perf_counter() - started)
+
+    def _abort_check(self, seq: Sequence):
+        """For a prompt chunk: what the runner asks between the layers of the step. Once the sequence's abort was
+        requested it ends at once (memory released, its caller told) and its rows leave the rest of the step
+        (engine/model/interrupt.py), so a cancel never waits for a long prefill chunk to finish."""
+        def aborted() -> bool:
+            if seq.request_id not in self._abort_requested:
+                return False
+            if seq.status is not Status.FINISHED:
+                self._end(seq, "abort")
+            return True
+        return aborted
 
     def _choose(self, seq: Sequence, rows: torch.Tensor, draft: list[int]) -> list[tuple[int, torch.Tensor]]:
         """The tokens this step adds: one sampled from the last row, or (speculating) the verified drafts plus one;

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -13,6 +14,7 @@ from engine.memory.geometry import PAGE_SIZE, pads
 from engine.memory.state import SeqState, StatePool
 from engine.model.batch import ForwardBatch
 from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs
+from engine.model.interrupt import Interrupt
 from engine.model.linear import PREFILL_DENSE_ROWS, enable_dense_prefill
 
 
@@ -25,6 +27,7 @@ class Work:
     pages: PageTable
     logits: str | None = "last"  # "last", "all" or None
     state: SeqState | None = None
+    aborted: Callable[[], bool] | None = None  # asked between layers: True, and it leaves the step (interrupt.py)
 
 
 class ModelRunner:
@@ -64,6 +67,9 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, num_pages, capture, padded=padded, row_views=row_views)
 
     def run(self, works: list[Work]) -> list[torch.Tensor | None]:
+        """Each work's logits rows (None: none asked, or it was interrupted: a work whose `aborted` says so between
+        two layers of a general forward leaves the step; self.interrupted lists them afterwards)."""
+        self.interrupted: set[int] = set()
         if self.graphs is not None and self.graphs.why_not(works) is None:
             return self.graphs.run(works)
         ids, positions, slots, seqs, rows = [], [], [], [], []
@@ -99,5 +105,18 @@ class ModelRunner:
             logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
             max_position=max(positions),
         )
-        logits = self.model.forward(batch)  # always: a step without logit rows still writes its KV
-        return [None if span is None else logits[span[0]:span[0] + span[1]] for span in row_spans]
+        checks = [(i, w.aborted) for i, w in enumerate(works) if w.aborted is not None]
+        if not checks:
+            logits = self.model.forward(batch)  # always: a step without logit rows still writes its KV
+        else:
+            interrupt = Interrupt(lambda: [i for i, aborted in checks if aborted()])
+            logits = self.model.forward(batch, interrupt)
+            self.interrupted = interrupt.dropped
+        out, row = [], 0  # the logits hold the rows of the works that stayed
+        for i, span in enumerate(row_spans):
+            if span is None or i in self.interrupted:
+                out.append(None)
+            else:
+                out.append(logits[row:row + span[1]])
+                row += span[1]
+        return out

@@ -8,6 +8,7 @@ from engine.errors import ModelLoadError
 from engine.memory.specs import AttentionSpec
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
+from engine.model.interrupt import Interrupt
 from engine.model.layers import Rotary, paged_attention, rms_norm, silu_and_mul
 from engine.model.linear import Linear, convert, fuse
 from engine.model.weights import LoadedWeights
@@ -153,12 +154,21 @@ class LlamaModel:
         return total
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits [rows, vocab] (float32) for batch.logit_rows, or for every token when it is None."""
+    def forward(self, batch: ForwardBatch, interrupt: Interrupt | None = None) -> torch.Tensor:
+        """Logits [rows, vocab] (float32) for batch.logit_rows, or for every token when it is None. `interrupt`
+        (engine/model/interrupt.py): asked before each layer; the sequences it names leave the batch, and the logits
+        are those of the remaining sequences' rows ([0, vocab] when none remains)."""
         x = F.embedding(batch.input_ids, self.embed)
         residual = None
         tables = self.rotary.tables(batch.positions, batch.max_position)
         for layer, ordinal in zip(self.layers, self.ordinals):
+            cut = interrupt.cut(batch) if interrupt is not None else None
+            if cut is not None:
+                batch, rows = cut
+                if not batch.seqs:
+                    return torch.empty(0, self.cfg.vocab_size, device=self.device)
+                x, residual = x.index_select(0, rows), None if residual is None else residual.index_select(0, rows)
+                tables = self.rotary.tables(batch.positions, batch.max_position)
             x, residual = layer.forward(x, residual, ordinal, batch, self.rotary, tables)
         x = residual + x
         if self.keep_hidden:
