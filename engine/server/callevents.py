@@ -44,15 +44,18 @@ class CallEvents:
     """begin(name), args(piece)..., end() per call, or whole(name, arguments); each event goes to `emit`:
     ("tool_call", index, id, name, arguments so far), ("tool_args", index, piece), ("tool_end", index, arguments)."""
 
-    def __init__(self, emit: Callable[[tuple], None]):
+    def __init__(self, emit: Callable[[tuple], None], most: int | None = None):
         self.emit = emit
+        self.most = most  # calls kept at most (1 when parallel calls are off); later ones are dropped unsent
         self.tool_calls: list[ToolCall] = []
         self._seen: dict[str, set[str]] = {}  # name -> the arguments of its calls so far
         self._open: _Open | None = None
 
     def begin(self, name: str) -> None:
         self._open = _Open(name, new_call_id())
-        if not self._seen.get(name):
+        if self.most is not None and len(self.tool_calls) >= self.most:
+            self._open.index = -1  # over the limit: read, never sent
+        elif not self._seen.get(name):
             self._announce()
 
     def _announce(self) -> None:
@@ -63,6 +66,8 @@ class CallEvents:
     def args(self, piece: str) -> None:
         call = self._open
         call.text += piece
+        if call.index == -1:
+            return
         if call.index is None:
             if not any(earlier.startswith(call.text) for earlier in self._seen[call.name]):
                 self._announce()
@@ -71,6 +76,8 @@ class CallEvents:
 
     def end(self) -> None:
         call, self._open = self._open, None
+        if call.index == -1:
+            return
         if call.index is None:
             if call.text in self._seen[call.name]:
                 return  # a repeat of an earlier call: nothing of it was sent

@@ -66,6 +66,12 @@ def render(state: ServerState, req: ChatCompletionRequest, param: str = "message
     return tok.encode(text), text.rstrip().endswith("<think>")
 
 
+def parallel_calls(req: ChatCompletionRequest) -> bool:
+    """False when the request allows one tool call at most (parallel_tool_calls false; Anthropic's
+    disable_parallel_tool_use): the grammar of a forced call admits one, and the parser keeps only the first."""
+    return (req.model_extra or {}).get("parallel_tool_calls") is not False
+
+
 def output_constraint(tok, req: ChatCompletionRequest, in_reasoning: bool) -> Constraint | None:
     """The grammar the answer must follow: a tool call when tool_choice forces one, else the response_format's.
     When the answer starts inside a <think> block, the grammar applies from the token after </think>."""
@@ -81,9 +87,9 @@ def output_constraint(tok, req: ChatCompletionRequest, in_reasoning: bool) -> Co
                                 "so structured output cannot be enforced after it.",
                            param="tool_choice" if forced is not None else "response_format")
     if forced is not None:
-        parallel = (req.model_extra or {}).get("parallel_tool_calls") is not False
         try:
-            return tool_call_constraint(tok, req.tools, forced, parallel=parallel, start_after=start_after)
+            return tool_call_constraint(tok, req.tools, forced, parallel=parallel_calls(req),
+                                        start_after=start_after)
         except UnsupportedSchema as e:
             raise APIError(400, str(e), param="tools") from None
     return response_constraint(tok, fmt, start_after)
@@ -99,7 +105,7 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerState, reque
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     names = offered_tools(req.tools, req.tool_choice)
     choices = [Choice(i, loaded.tokenizer, req.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
-                      tool_names=names) for i in range(req.n)]
+                      tool_names=names, parallel_calls=parallel_calls(req)) for i in range(req.n)]
     streams = submit(state, prompt, params, req.n)  # last: nothing after it can fail and leave them running
     reply = _Reply(req, loaded.tokenizer, streams, choices, len(prompt))
     if req.stream:

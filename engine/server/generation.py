@@ -118,11 +118,12 @@ class Choice:
     """One generated sequence: detokenizes, cuts at stop strings, splits reasoning, parses tool calls."""
 
     def __init__(self, index: int, tokenizer, stops: list[str], *, reasoning: bool = False,
-                 starts_in_reasoning: bool = False, tool_names: set[str] | dict[str, dict] | None = None):
+                 starts_in_reasoning: bool = False, tool_names: set[str] | dict[str, dict] | None = None,
+                 parallel_calls: bool = True):
         self.index = index
         self.text = TextStream(tokenizer, stops)
         self.splitter = ReasoningSplitter(starts_in_reasoning) if reasoning else None
-        self.tools = ToolCallStreamer(tool_names) if tool_names else None
+        self.tools = ToolCallStreamer(tool_names, parallel_calls) if tool_names else None
         self.called = False
 
     def _route(self, text: str, final: bool, ev: Event) -> None:

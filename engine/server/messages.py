@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
 from engine.constrain import ThinkingBudget
-from engine.server.chat import SSE_HEADERS, output_constraint, render
+from engine.server.chat import SSE_HEADERS, output_constraint, parallel_calls, render
 from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages_reply import MessageReply
@@ -293,7 +293,8 @@ async def messages(req: MessagesRequest, state: ServerState, request=None):
         params.constraint = ThinkingBudget(loaded.tokenizer, budget, in_reasoning, params.constraint)
     streams = submit(state, prompt, params, 1)
     choice = Choice(0, loaded.tokenizer, chat.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
-                    tool_names=offered_tools(chat.tools, chat.tool_choice))
+                    tool_names=offered_tools(chat.tools, chat.tool_choice),
+                    parallel_calls=parallel_calls(chat))
     hide = (req.thinking or {}).get("display") == "omitted"
     reply = MessageReply(req.model, streams, choice, len(prompt), hide_thinking=hide)
     if req.stream:

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
-from engine.server.chat import SSE_HEADERS, output_constraint, render
+from engine.server.chat import SSE_HEADERS, output_constraint, parallel_calls, render
 from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages import OMITTED_TOOLS_HEADER
@@ -106,7 +106,8 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
     streams = submit(state, prompt, params, 1, param="input")
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     choice = Choice(0, loaded.tokenizer, [], reasoning=reasoning, starts_in_reasoning=in_reasoning,
-                    tool_names=offered_tools(chat.tools, chat.tool_choice))
+                    tool_names=offered_tools(chat.tools, chat.tool_choice),
+                    parallel_calls=parallel_calls(chat))
     reply = ResponseReply(req, streams, choice, len(prompt), tools)
     headers = {OMITTED_TOOLS_HEADER: ", ".join(tools.omitted)} if tools.omitted else {}
     if req.stream:

@@ -136,13 +136,13 @@ _WAIT = object()
 class ToolCallStreamer:
     """feed(delta) -> events, flush() -> events (StreamEvent). `tools`: the offered names, or a mapping from each
     name to its parameters schema (which tells the XML format's string parameters from the others); None: any
-    name counts."""
+    name counts. `parallel` False (parallel_tool_calls false): only the first call is kept."""
 
-    def __init__(self, tools: set[str] | dict[str, Any] | None = None):
+    def __init__(self, tools: set[str] | dict[str, Any] | None = None, parallel: bool = True):
         self.names = None if tools is None else set(tools)
         self.schemas = dict(tools) if isinstance(tools, dict) else {}
         self.enabled = self.names is None or bool(self.names)
-        self.calls = CallEvents(lambda event: self._events.append(event))
+        self.calls = CallEvents(lambda event: self._events.append(event), None if parallel else 1)
         self.tool_calls = self.calls.tool_calls
         self.cut = False          # the last call was cut off (its arguments are partial)
         self._live: LiveCalls | None = None

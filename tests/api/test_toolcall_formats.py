@@ -141,3 +141,26 @@ def test_a_long_argument_streams_in_pieces_that_rebuild_the_answer(scripted, api
     assert texts == [text for text, _ in streamed_texts]
     value_tokens = len(scripted.engine.tokenizer.encode(LONG_CITY))
     assert streamed_texts[0][1] >= value_tokens // 2 > 10, streamed_texts
+
+
+def test_parallel_calls_off_keeps_the_first_call_in_every_api(scripted):
+    """parallel_tool_calls false (Anthropic: disable_parallel_tool_use) under auto: the answer holds one call."""
+    scripted.engine.script = FORMATS["two_calls"]
+    oai = openai.OpenAI(base_url=scripted.base_url + "/v1", api_key="x", max_retries=0)
+    r = oai.chat.completions.create(model="scripted", messages=USER, tools=[CHAT_TOOL], parallel_tool_calls=False)
+    assert [json.loads(c.function.arguments) for c in r.choices[0].message.tool_calls] == [{"city": "Paris"}]
+    chunks = oai.chat.completions.create(model="scripted", messages=USER, tools=[CHAT_TOOL], stream=True,
+                                         parallel_tool_calls=False)
+    assert {tc.index for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []} == {0}
+    for stream in (False, True):
+        r = oai.responses.create(model="scripted", input="Weather?", tools=[RESP_TOOL], parallel_tool_calls=False,
+                                 stream=stream)
+        r = list(r)[-1].response if stream else r
+        assert [json.loads(o.arguments) for o in r.output if o.type == "function_call"] == [{"city": "Paris"}]
+    ant = anthropic.Anthropic(base_url=scripted.base_url, api_key="x", max_retries=0)
+    kwargs = dict(model="scripted", max_tokens=256, messages=USER, tools=[MSG_TOOL],
+                  tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    with ant.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message()
+    for msg in (ant.messages.create(**kwargs), streamed):
+        assert [b.input for b in msg.content if b.type == "tool_use"] == [{"city": "Paris"}]

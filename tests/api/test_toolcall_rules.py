@@ -91,3 +91,14 @@ def test_a_broken_bare_call_drops_up_to_where_its_brackets_close():
     parsed = parse_tool_calls('{"name": "search", "arguments": {"q": "x", "n": [1, 2}]}} And then text.', NAMES)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("search", {"q": "x", "n": [1, 2]})]
     assert parsed.content == "} And then text."
+
+
+def test_with_parallel_calls_off_only_the_first_call_is_kept():
+    text = ('<tool_call>{"name": "search", "arguments": {"q": "a"}}</tool_call>\n'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> Done.')
+    for chunks in ([text], list(text)):
+        streamer = ToolCallStreamer(NAMES, parallel=False)
+        events = [e for c in chunks for e in streamer.feed(c)] + streamer.flush()
+        assert {e[1] for e in events if e[0] != "content"} == {0} and len(streamer.tool_calls) == 1
+        assert streamer.tool_calls[0].name == "search"
+        assert "".join(e[1] for e in events if e[0] == "content") == "Done."
