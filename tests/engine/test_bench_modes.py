@@ -9,13 +9,27 @@ from pathlib import Path
 import pytest
 
 from engine.tools.bench.measure import decode_bytes_per_token, summarise
-from engine.tools.bench.peer_llamacpp import bench_llamacpp, load_llamacpp
+from engine.tools.bench.peer_llamacpp import PORTABLE_BUILD, bench_llamacpp, load_llamacpp
+
+ROOT = Path(__file__).resolve().parents[2]
+STAND_IN_PEER = """
+import sys
+sys.path.insert(0, {root!r})
+from engine.tools.bench import peer_llamacpp as peer
+from tests.engine.test_bench_modes import FakeLlama
+peer.load_llamacpp = lambda path, threads, context: FakeLlama(path)
+sys.exit(peer.child_main())
+"""
 
 
-def test_missing_llama_cpp_names_the_install_command(monkeypatch, tmp_path):
+def test_missing_llama_cpp_names_the_install_command(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
     with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):
         load_llamacpp(tmp_path / "m.gguf", 2, 128)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    from engine.tools.bench.cli import main
+    assert main(["--compare", "llama.cpp"]) == 1  # refused before anything is loaded or measured
+    assert "pip install llama-cpp-python" in capsys.readouterr().err
 
 
 class FakeLlama:
@@ -73,7 +87,9 @@ def test_compare_llamacpp_reports_the_peer_under_its_name(tmp_path, monkeypatch,
     from engine.tools.bench import peer_llamacpp as peer
     from engine.tools.bench.cli import main
 
-    monkeypatch.setattr(peer, "load_llamacpp", lambda path, threads, context: FakeLlama(path))
+    # the peer's child process, with the stand-in Llama in place of llama_cpp's
+    monkeypatch.setattr(peer, "PEER_COMMAND", [sys.executable, "-c", STAND_IN_PEER.format(root=str(ROOT))])
+    monkeypatch.setattr(peer, "check_installed", lambda: None)
     out = tmp_path / "bench.json"
     assert main(["--weight-dtype", "auto", "--compare", "llama.cpp", "--prompt-tokens", "16", "--gen-tokens", "4",
                  "--repeat", "1", "--threads", "1", "--json", str(out)]) == 0
@@ -115,3 +131,44 @@ def test_bad_counts_are_refused_with_what_is_needed(flag, value, capsys):
 
     assert main([flag, value]) == 2
     assert "--profile-steps >= 0" in capsys.readouterr().err
+
+
+def test_a_peer_killed_by_sigill_is_named_with_the_build_that_works(tmp_path, monkeypatch, capsys):
+    """A stand-in peer that kills itself with SIGILL (as a native llama-cpp-python build does on Intel CPUs with
+    AMX): the bench prints NInfer's own table, then names the signal and the portable build command; exit 1."""
+    import json
+
+    from engine.tools.bench import peer_llamacpp as peer
+    from engine.tools.bench.cli import main
+
+    monkeypatch.setattr(peer, "PEER_COMMAND", [sys.executable, "-c",
+                                               "import os, signal; os.kill(os.getpid(), signal.SIGILL)"])
+    monkeypatch.setattr(peer, "check_installed", lambda: None)
+    out = tmp_path / "bench.json"
+    assert main(["--weight-dtype", "auto", "--compare", "llama.cpp", "--prompt-tokens", "16", "--gen-tokens", "4",
+                 "--repeat", "1", "--threads", "1", "--json", str(out)]) == 1
+    captured = capsys.readouterr()
+    header = next(line for line in captured.out.splitlines() if line.startswith("| metric"))  # NInfer's table
+    assert "llama.cpp" in header
+    assert "killed by SIGILL (illegal instruction)" in captured.err
+    assert "-DGGML_NATIVE=OFF" in captured.err and "-DGGML_AMX_INT8=OFF" in captured.err
+    assert "llama-cpp-python==0.3.36" in captured.err and PORTABLE_BUILD in captured.err
+    result = json.loads(out.read_text())
+    assert result["peer"] is None and "SIGILL" in result["peer_error"] and result["ninfer"]["decode_tps"] > 0
+
+
+def test_other_peer_failures_are_named(monkeypatch):
+    """Another signal is named with the peer's last words; a peer that exits with an error passes its message on
+    (a missing llama-cpp-python in the child gives the install command)."""
+    from engine.tools.bench import peer_llamacpp as peer
+
+    monkeypatch.setattr(peer, "PEER_COMMAND", [sys.executable, "-c", "import os, signal, sys; "
+                                               "print('ggml: out of memory', file=sys.stderr, flush=True); "
+                                               "os.kill(os.getpid(), signal.SIGSEGV)"])
+    with pytest.raises(RuntimeError, match="killed by SIGSEGV; its last words: ggml: out of memory"):
+        peer.run_peer(Path("m.gguf"), 1, 64, [1, 2], 2, 1)
+    monkeypatch.setattr(peer, "PEER_COMMAND", [sys.executable, "-c", "import sys; sys.modules['llama_cpp'] = None; "
+                                               "from engine.tools.bench import peer_llamacpp as p; "
+                                               "sys.exit(p.child_main())"])
+    with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):
+        peer.run_peer(Path("m.gguf"), 1, 64, [1, 2], 2, 1)

@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, command: str) -> int:
+    if args.compare == "llama.cpp":
+        try:
+            peer_llamacpp.check_installed()
+        except RuntimeError as err:
+            print(f"ninfer-bench: {err}", file=sys.stderr)
+            return 1
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
@@ -105,7 +111,7 @@ def _run(args, command: str) -> int:
     if args.warm_prefix:
         return _run_warm_prefix(args, loaded, command)
     prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
-    theirs = ratio = through_api = None
+    theirs = ratio = through_api = peer_error = None
     with LoadMeter() as meter:
         try:
             ours = bench_engine(loaded, prompt, args.gen_tokens, args.repeat)
@@ -123,18 +129,17 @@ def _run(args, command: str) -> int:
             del model
         elif args.compare == "llama.cpp":
             try:
-                llm = peer_llamacpp.load_llamacpp(loaded.path, threads, args.prompt_tokens + args.gen_tokens + 16)
+                runs, weight_bytes = peer_llamacpp.run_peer(loaded.path, threads,
+                                                            args.prompt_tokens + args.gen_tokens + 16, prompt,
+                                                            args.gen_tokens, args.repeat)
             except RuntimeError as err:
-                print(f"ninfer-bench: {err}", file=sys.stderr)
-                return 1
-            cfg = loaded.config
-            kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # llama.cpp's default KV type
-            theirs = peer_llamacpp.bench_llamacpp(
-                llm, prompt, args.gen_tokens, args.repeat, lambda runs, weight_bytes: summarise(
-                    runs, len(prompt), args.gen_tokens,
-                    decode_bytes_per_token(weight_bytes, kv_f16, len(prompt), args.gen_tokens)))
-            ratio = ratios(ours, theirs)
-            del llm
+                peer_error = str(err)
+            else:
+                cfg = loaded.config
+                kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # llama.cpp's default KV type
+                theirs = dict(summarise(runs, len(prompt), args.gen_tokens, decode_bytes_per_token(
+                    weight_bytes, kv_f16, len(prompt), args.gen_tokens)), weight_bytes=weight_bytes)
+                ratio = ratios(ours, theirs)
     facts = machine_facts(loaded, threads)
     facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
     command = command.strip()
@@ -144,13 +149,16 @@ def _run(args, command: str) -> int:
     if profiled:
         print(f"\ndecode step profile: {profiled['steps']} steps, {profiled['aten_calls_per_step']:.0f} ATen calls "
               f"and {profiled['ms_per_step']:.1f} ms a step under the profiler\n{profiled['table']}")
+    if peer_error:
+        print(f"ninfer-bench: {peer_error}", file=sys.stderr)
     if args.json:
         peer = {"peer": args.compare, args.compare: theirs} if theirs else {"peer": None}  # under its own name
         result = dict(command=command, machine=facts, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                       repeat=args.repeat, ninfer=ours, **peer, ratio=ratio, via_api=through_api,
-                      profile=profiled and {k: v for k, v in profiled.items() if k != "table"})
+                      profile=profiled and {k: v for k, v in profiled.items() if k != "table"},
+                      **({"peer_error": peer_error} if peer_error else {}))
         args.json.write_text(json.dumps(result, indent=2))
-    return 0
+    return 1 if peer_error else 0
 
 
 def _run_warm_prefix(args, loaded, command: str) -> int:

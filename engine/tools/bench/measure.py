@@ -91,7 +91,7 @@ def ratios(ours: dict, theirs: dict) -> dict:
 
 def format_table(facts: dict, ours: dict, theirs: dict | None, ratio: dict | None, command: str = "",
                  peer: str = "transformers") -> str:
-    peer = peer if theirs else "transformers"
+    peer = peer if theirs or peer != "none" else "transformers"
     lines = ["NInfer benchmark" + (f": {command}" if command else "")]
     lines += [f"  {k:<26} {v}" for k, v in facts.items()]
     head = f"| {'metric':<14} | {'ninfer':>10} | {peer:>12} | {'ratio':>6} |"

@@ -1,27 +1,49 @@
 """llama.cpp as a peer for ``ninfer-bench --compare llama.cpp``: the same GGUF file, prompt token ids, greedy
 decoding and thread count, through llama-cpp-python. It is measured, never used: install it only to compare
-(`pip install llama-cpp-python`, which compiles llama.cpp for this machine)."""
+(docs/BENCHMARKS.md, "Peers"). It runs in a child process (`python -m engine.tools.bench.peer_llamacpp`, the spec
+on stdin, the runs as one JSON line on stdout), so a peer that crashes (SIGILL from a build for instructions this
+CPU does not run) is reported by name instead of taking the bench down with it."""
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+PEER_COMMAND = [sys.executable, "-m", "engine.tools.bench.peer_llamacpp"]
+PORTABLE_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON '
+                  '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
+                  '-DGGML_AMX_BF16=OFF" pip install --force-reinstall --no-cache-dir llama-cpp-python==0.3.36')
+
+
+def check_installed() -> None:
+    """Refuses at once (before NInfer is measured) where llama-cpp-python is missing; it is imported in the child."""
+    import importlib.util
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise RuntimeError(MISSING)
+
+
+MISSING = ("--compare llama.cpp needs llama-cpp-python, which is not installed; run `pip install llama-cpp-python` "
+           "(it compiles llama.cpp; on Intel CPUs with AMX use the portable build in docs/BENCHMARKS.md, Peers), "
+           "or use --compare transformers")
 
 
 def load_llamacpp(path: Path, threads: int, context: int):
     try:  # optional, and only for this comparison: imported when asked for
         from llama_cpp import Llama
     except ImportError:
-        raise RuntimeError("--compare llama.cpp needs llama-cpp-python, which is not installed; run "
-                           "`pip install llama-cpp-python` (it compiles llama.cpp), or use --compare transformers")
+        raise RuntimeError(MISSING)
     if path.suffix.lower() != ".gguf":
         raise RuntimeError(f"--compare llama.cpp needs a GGUF file; {path.name} is not one")
     return Llama(model_path=str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
                  logits_all=False, verbose=False)
 
 
-def bench_llamacpp(llm, prompt_ids: list[int], gen_tokens: int, repeat: int, summarise) -> dict:
+def measure_runs(llm, prompt_ids: list[int], gen_tokens: int, repeat: int) -> list[dict]:
     """TTFT = prompt evaluation plus the first token; decode = first token -> last token, greedy (temperature 0,
-    no repetition penalty), never stopping early."""
+    no repetition penalty), never stopping early; one warm-up run first, not kept."""
     runs = []
     for i in range(repeat + 1):
         llm.reset()
@@ -35,5 +57,60 @@ def bench_llamacpp(llm, prompt_ids: list[int], gen_tokens: int, repeat: int, sum
                 break
         if i:
             runs.append(dict(ttft_s=stamps[0] - t0, decode_s=stamps[-1] - stamps[0], tokens=tokens))
+    return runs
+
+
+def bench_llamacpp(llm, prompt_ids: list[int], gen_tokens: int, repeat: int, summarise) -> dict:
+    """The runs of `measure_runs` in this process, summarised (`summarise(runs, weight_bytes)`)."""
+    runs = measure_runs(llm, prompt_ids, gen_tokens, repeat)
     weight_bytes = Path(llm.model_path).stat().st_size
     return dict(summarise(runs, weight_bytes), weight_bytes=weight_bytes)
+
+
+def run_peer(path: Path, threads: int, context: int, prompt_ids: list[int], gen_tokens: int,
+             repeat: int) -> tuple[list[dict], int]:
+    """(runs, weight bytes) of llama.cpp measured in a child process; RuntimeError says what went wrong, naming
+    the signal when the peer crashed, and what to do."""
+    spec = dict(path=str(path), threads=threads, context=context, prompt=list(prompt_ids), gen_tokens=gen_tokens,
+                repeat=repeat)
+    proc = subprocess.run(PEER_COMMAND, input=json.dumps(spec), capture_output=True, text=True)
+    if proc.returncode < 0:
+        raise RuntimeError(crash_message(-proc.returncode, proc.stderr))
+    if proc.returncode != 0:
+        said = proc.stderr.strip().splitlines()
+        raise RuntimeError(said[-1] if said else f"the llama.cpp peer exited with status {proc.returncode}")
+    try:
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        return result["runs"], int(result["weight_bytes"])
+    except (IndexError, KeyError, ValueError):
+        raise RuntimeError(f"the llama.cpp peer ended without its results (stdout: {proc.stdout[-300:]!r})")
+
+
+def crash_message(signum: int, stderr: str = "") -> str:
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    text = f"the llama.cpp peer (llama-cpp-python) crashed: killed by {name}"
+    if signum == signal.SIGILL:
+        return (text + " (illegal instruction). Its llama.cpp was built for instructions this CPU does not run: a "
+                "native build dies so on Intel CPUs with AMX, on the first token. Rebuild it portable, without AMX: "
+                + PORTABLE_BUILD)
+    last = stderr.strip().splitlines()[-1:] or ["(nothing on stderr)"]
+    return f"{text}; its last words: {last[0]}. NInfer's own results above are unaffected."
+
+
+def child_main() -> int:
+    spec = json.loads(sys.stdin.read())
+    try:
+        llm = load_llamacpp(Path(spec["path"]), spec["threads"], spec["context"])
+    except RuntimeError as err:
+        print(err, file=sys.stderr)
+        return 3
+    runs = measure_runs(llm, spec["prompt"], spec["gen_tokens"], spec["repeat"])
+    print(json.dumps(dict(runs=runs, weight_bytes=Path(spec["path"]).stat().st_size)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())
