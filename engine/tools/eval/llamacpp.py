@@ -11,8 +11,8 @@ import torch
 
 from engine.errors import NInferError
 
-INSTALL = ("Install it with `pip install llama-cpp-python` (it compiles llama.cpp from source: many minutes on a "
-           "small CPU), or run llama.cpp's server on the same file (`llama-server -m MODEL.gguf --port 8081`) and "
+INSTALL = ("Install it with `pip install llama-cpp-python==0.3.36` (it compiles llama.cpp from source: many minutes "
+           "on a small CPU; docs/BENCHMARKS.md gives a portable build command), or run llama.cpp's server on the same file (`llama-server -m MODEL.gguf --port 8081`) and "
            "measure it with `ninfer-eval kld MODEL.gguf --url http://127.0.0.1:8081` (a lower bound from top-k "
            "logprobs).")
 
