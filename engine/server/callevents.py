@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import secrets
 import string
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 _ID_CHARS = string.ascii_letters + string.digits
 

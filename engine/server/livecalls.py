@@ -21,8 +21,8 @@ from engine.server.reasoning import partial_tail
 from engine.server.xmlcalls import PARAM_CLOSE, WAIT, Sink, XmlCalls, skip_ws
 
 TAG_CLOSE, FENCE = "</tool_call>", "```"
-_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
-_OPEN_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*\\?', re.S)
+_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_OPEN_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*\\?', re.DOTALL)
 _NAME, _ARGS_KEY = object(), object()
 
 

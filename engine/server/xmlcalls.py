@@ -136,7 +136,7 @@ class XmlCalls:
 
     @staticmethod
     def _strip_end(raw: str) -> str:
-        return raw[:-1] if raw.endswith("\n") else raw
+        return raw.removesuffix("\n")
 
     def _param_value(self, raw: str) -> None:
         try:
