@@ -52,8 +52,8 @@ class ModelRunner:
         recurrent = [s for s in specs if s.kind == "recurrent"]
         capture = resolve_cuda_graphs(cuda_graphs, torch.device(model.device))
         padded = capture or static_decode
-        # one more KV page than the pool hands out: the scratch page of padded batches' dummy rows
-        self.kv = KVCache(len(attention), num_pages + 1, attention[0].num_kv_heads, attention[0].head_dim,
+        # padded: one more KV page than the pool hands out, the scratch page of the dummy rows
+        self.kv = KVCache(len(attention), num_pages + padded, attention[0].num_kv_heads, attention[0].head_dim,
                           kv_dtype, model.device, page_size)
         if recurrent and state_slots < 1:
             raise ValueError("a model with recurrent layers needs state_slots >= 1")

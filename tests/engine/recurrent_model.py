@@ -42,19 +42,23 @@ class RecurrentLayer:
         u = self.w_in(h)
         state = batch.state.layers[ordinal]
         out = torch.empty_like(h)
-        for s in batch.seqs:
-            total, window = state["sum"][s.state].clone(), state["window"][s.state].clone()
-            for i in range(s.q_len):
-                row = s.q_start + i
+        # a decode step (engine/model/graphs.py) lists its rows' state slots in a table, one token each; the
+        # snapshots it saves are stored after the step, outside the layers
+        spans = [(row, 1, int(slot), ()) for row, slot in enumerate(batch.decode.state_slots.tolist())] \
+            if batch.decode is not None else [(s.q_start, s.q_len, s.state, s.saves) for s in batch.seqs]
+        for q_start, q_len, slot, saves in spans:
+            total, window = state["sum"][slot].clone(), state["window"][slot].clone()
+            for i in range(q_len):
+                row = q_start + i
                 total = self.decay * total + u[row]
                 out[row] = total + self.mix[0] * window[0] + self.mix[1] * window[1]
                 window = torch.stack((h[row], window[0]))
-                for j, snap in s.saves:
+                for j, snap in saves:
                     if j == i:
                         snap[ordinal]["sum"].copy_(total)
                         snap[ordinal]["window"].copy_(window)
-            state["sum"][s.state].copy_(total)
-            state["window"][s.state].copy_(window)
+            state["sum"][slot].copy_(total)
+            state["window"][slot].copy_(window)
         residual = residual + self.w_out(out)
         h = rms_norm(residual, self.post_norm, self.cfg.rms_eps)
         return self.down(silu_and_mul(self.gate_up(h))), residual
