@@ -70,8 +70,9 @@ def _asgi_post(app, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int,
 
 
 def test_a_content_length_that_is_not_a_number_is_refused_in_the_api_shape():
-    # uvicorn's HTTP parser refuses such a request itself, in plain text, before the app sees it (the app cannot
-    # shape that answer); this is the app's own answer, for a server that passes the request on.
+    # behind ninfer-serve uvicorn's parser refuses such a request first, in the API's shape
+    # (engine/server/protocol.py, tests/api/test_unreadable_requests.py); this is the app's own answer, for a
+    # server that passes the request on.
     from engine.server.app import create_app
     from engine.server.state import ServerState
 
