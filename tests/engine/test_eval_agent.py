@@ -97,7 +97,7 @@ def test_json_is_found_in_a_chatty_answer():
 @pytest.mark.slow
 def test_agent_in_process_on_the_default_model(tmp_path):
     out = tmp_path / "agent.json"
-    assert cli.main(["agent", "--max-tokens", "48", "--max-turns", "2", "--max-context", "2048", "--no-progress",
+    assert cli.main(["agent", "--limit", "2", "--max-tokens", "32", "--max-context", "2048", "--no-progress",
                      "--json", str(out)]) == 0
     s = json.loads(out.read_text())
-    assert s["items"] == 10 and s["target"]["model"]
+    assert s["items"] == 2 and s["by_kind"]["tool_call"]["total"] == 2 and s["target"]["model"]

@@ -39,6 +39,7 @@ CODE_TOOLS = [
 def add_arguments(p) -> None:
     p.add_argument("--max-turns", type=int, default=6, help="answers allowed per fix_code task (default 6)")
     p.add_argument("--max-tokens", type=int, default=512, help="tokens per answer (default 512)")
+    p.add_argument("--limit", type=int, default=0, help="run only the first N tasks (0: all)")
 
 
 def chat(client, url: str, model: str, messages: list[dict], tools: list[dict] | None, max_tokens: int) -> dict:
@@ -185,9 +186,10 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
 
     from engine.tools.eval.target import ENGINE_KEYS, RemoteTarget
 
-    if args.max_turns < 1 or args.max_tokens < 1:
-        raise NInferError("The agent check needs --max-turns >= 1 and --max-tokens >= 1.", "E.g. --max-turns 6.")
-    tasks = json.loads(TASKS.read_text(encoding="utf-8"))
+    if args.max_turns < 1 or args.max_tokens < 1 or args.limit < 0:
+        raise NInferError("The agent check needs --max-turns >= 1, --max-tokens >= 1 and --limit >= 0.",
+                          "E.g. --max-turns 6.")
+    tasks = json.loads(TASKS.read_text(encoding="utf-8"))[:args.limit or None]
     where = {"url": args.url, "model": settings.model_id} if args.url \
         else {k: getattr(settings, k) for k in ENGINE_KEYS}
     key = config_key({"target": where, "tasks": tasks, "max_turns": args.max_turns, "max_tokens": args.max_tokens})
