@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from kernels.quant import QuantizedWeight, dequantize, pack_int4
@@ -67,17 +67,12 @@ def probe_planes(blocks: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray 
 
     def decoded(writes) -> np.ndarray:
         rows = blocks.shape[0]
-        copy = np.array(blocks, dtype=np.uint8, copy=True).reshape(rows, -1, _block_bytes(kind))
+        copy = np.array(blocks, dtype=np.uint8, copy=True).reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
         for start, stop, byte in writes:
             copy[..., start:stop] = byte
         return gguf_dequantize(copy.reshape(rows, -1), qtype)
 
     return decoded(layout.unit), None if layout.zero is None else decoded(layout.zero)
-
-
-def _block_bytes(kind: str) -> int:
-    from gguf import GGML_QUANT_SIZES
-    return GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1]
 
 
 def pack_exact(values: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
