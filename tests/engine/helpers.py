@@ -294,3 +294,26 @@ def consume_with_aborts(stream, mode: str, after_tokens: int, delay: float, resu
         results[stream.request_id] = (tokens, last)
     except Exception as e:
         failures[stream.request_id] = f"{type(e).__name__}: {e} after {len(tokens)} tokens"
+
+
+def abort_storm(engine: Engine, prompt_of, params_of, n: int = 200, seed: int = 7, at_once: int = 8) -> dict:
+    """Submits `n` requests (prompt_of(i, rng), params_of(rng)), at most `at_once` read at a time, a third aborted
+    at a random time, a third after a few tokens, a third never; asserts none failed and all ended; returns the
+    engine's stats once idle."""
+    import random
+
+    rng = random.Random(seed)
+    results, failures, threads = {}, {}, []
+    for i in range(n):
+        stream = engine.submit(prompt_of(i, rng), params_of(rng))
+        mode = rng.choice(["random_time", "mid_decode", "none"])
+        t = threading.Thread(target=consume_with_aborts,
+                             args=(stream, mode, rng.randint(1, 4), rng.random() * 0.02, results, failures))
+        t.start()
+        threads.append(t)
+        if len(threads) >= at_once:
+            threads.pop(0).join(60)
+    for t in threads:
+        t.join(60)
+    assert not failures and len(results) == n
+    return wait_idle(engine)

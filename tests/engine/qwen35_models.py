@@ -43,3 +43,14 @@ def save_for_engine(hf, folder: Path, vocab: int = VOCAB) -> Path:
     hf.save_pretrained(folder)
     add_tokenizer(folder, vocab)
     return folder
+
+
+def tiny_checkpoint(folder: Path, seed: int = 0, **overrides):
+    """A seeded, perturbed transformers Qwen3_5ForCausalLM of tiny_config(**overrides), saved where build_engine
+    loads it: (the transformers model, the folder)."""
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    hf = Qwen3_5ForCausalLM(tiny_config(**overrides)).eval()
+    perturb(hf)
+    return hf, save_for_engine(hf, folder)

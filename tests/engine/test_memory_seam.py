@@ -4,8 +4,6 @@ and speculative rollback all go through engine/memory/, and every output is chec
 that knows nothing of pages or slots."""
 from __future__ import annotations
 
-import random
-import threading
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams
 from engine.spec.ngram import NgramProposer
 from engine.spec.speculator import Speculator
-from tests.engine.helpers import collect, consume_with_aborts, rel_err, run_concurrently, wait_idle
+from tests.engine.helpers import abort_storm, collect, rel_err, run_concurrently, wait_idle
 from tests.engine.recurrent_model import KINDS, RecurrentTestModel, hybrid_weights, reference_logits
 
 PAGE = 64
@@ -146,21 +144,8 @@ def test_preemption_and_recompute_give_identical_output(model, weights):
 def test_random_aborts_leave_both_pools_whole(model):
     engine = engine_over(model, num_pages=12, state_slots=6, snapshots=2, prefix=4)
     try:
-        rng = random.Random(7)
-        results, failures, threads = {}, {}, []
-        for i in range(200):
-            stream = engine.submit(prompt(100 + i % 13, rng.randint(5, 140)), greedy(rng.randint(1, 12)))
-            mode = rng.choice(["random_time", "mid_decode", "none"])
-            t = threading.Thread(target=consume_with_aborts,
-                                 args=(stream, mode, rng.randint(1, 4), rng.random() * 0.02, results, failures))
-            t.start()
-            threads.append(t)
-            if len(threads) >= 8:
-                threads.pop(0).join(60)
-        for t in threads:
-            t.join(60)
-        assert not failures and len(results) == 200
-        idle = wait_idle(engine)
+        idle = abort_storm(engine, lambda i, rng: prompt(100 + i % 13, rng.randint(5, 140)),
+                           lambda rng: greedy(rng.randint(1, 12)), seed=7)
         assert idle["aborted"] > 20
         assert idle["pages_free"] == idle["pages_total"] == 12  # idle cached prefix pages count as free
         # snapshots live in host memory: every device slot is free, and the host buffers stay within the budget

@@ -13,21 +13,14 @@ from engine.model.loader import load_weights
 from engine.model.registry import build_model
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams
-from engine.spec.ngram import NgramProposer
-from engine.spec.speculator import Speculator
 from tests.engine.helpers import collect, rel_err, run_concurrently, wait_idle
-from tests.engine.qwen35_models import VOCAB, perturb, save_for_engine, tiny_config
+from tests.engine.qwen35_models import VOCAB, tiny_checkpoint
 
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import Qwen3_5ForCausalLM
-
-    torch.manual_seed(0)
-    hf = Qwen3_5ForCausalLM(tiny_config()).eval()
-    perturb(hf)
-    return hf, save_for_engine(hf, tmp_path_factory.mktemp("qwen35") / "tiny-qwen35")
+    return tiny_checkpoint(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35", seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,6 @@ test_memory_seam.py): sequences preempted for lack of pages are recomputed with 
 generates, and 200 requests aborted at random leave the KV pool and the state pool whole."""
 from __future__ import annotations
 
-import random
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -15,20 +12,15 @@ from engine.model.loader import load_weights
 from engine.model.registry import build_model
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from tests.engine.helpers import consume_with_aborts, run_concurrently, wait_idle
-from tests.engine.qwen35_models import VOCAB, perturb, save_for_engine, tiny_config
+from tests.engine.helpers import abort_storm, run_concurrently, wait_idle
+from tests.engine.qwen35_models import VOCAB, tiny_checkpoint
 
 PAGE = 64
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import Qwen3_5ForCausalLM
-
-    torch.manual_seed(1)
-    hf = Qwen3_5ForCausalLM(tiny_config()).eval()
-    perturb(hf)
-    return hf, save_for_engine(hf, tmp_path_factory.mktemp("qwen35") / "tiny-qwen35")
+    return tiny_checkpoint(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35", seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -75,21 +67,8 @@ def test_random_aborts_leave_both_pools_whole(model):
     sent after the storm still answers as on a fresh engine."""
     engine = engine_over(model, num_pages=12, state_slots=4, snapshots=2, prefix=4)
     try:
-        rng = random.Random(11)
-        results, failures, threads = {}, {}, []
-        for i in range(200):
-            stream = engine.submit(tokens(100 + i % 13, rng.randint(5, 140)), greedy(rng.randint(1, 12)))
-            mode = rng.choice(["random_time", "mid_decode", "none"])
-            t = threading.Thread(target=consume_with_aborts,
-                                 args=(stream, mode, rng.randint(1, 4), rng.random() * 0.02, results, failures))
-            t.start()
-            threads.append(t)
-            if len(threads) >= 8:
-                threads.pop(0).join(60)
-        for t in threads:
-            t.join(60)
-        assert not failures and len(results) == 200
-        idle = wait_idle(engine)
+        idle = abort_storm(engine, lambda i, rng: tokens(100 + i % 13, rng.randint(5, 140)),
+                           lambda rng: greedy(rng.randint(1, 12)), seed=11)
         assert idle["aborted"] > 20
         assert idle["pages_free"] == idle["pages_total"] == 12
         assert idle["state_slots_free"] == engine.runner.state.num_free == 4
