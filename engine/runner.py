@@ -16,6 +16,7 @@ from engine.model.batch import ForwardBatch
 from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs
 from engine.model.interrupt import Interrupt
 from engine.model.linear import PREFILL_DENSE_ROWS, enable_dense_prefill
+from kernels import dispatch
 
 
 @dataclass
@@ -63,7 +64,10 @@ class ModelRunner:
         self.page_size = page_size
         self.host = HostPool(self.kv, host_pages, host_pinned) if host_pages else None
         self.dense_prefill = enable_dense_prefill(model, PREFILL_DENSE_ROWS) if prefill_cublas else None
-        row_views = torch.device(model.device).type == "cpu" and not static_decode
+        # the CPU reads each row's pages as views (the page-table twin would gather them); where Triton runs (CUDA,
+        # or the interpreter in the tests) the page-table kernel reads them in place
+        device = torch.device(model.device)
+        row_views = device.type == "cpu" and not static_decode and not dispatch.use_triton(device)
         self.graphs = DecodeGraphs(self, num_pages, capture, padded=padded, row_views=row_views)
 
     def run(self, works: list[Work]) -> list[torch.Tensor | None]:

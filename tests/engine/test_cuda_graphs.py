@@ -19,10 +19,14 @@ def model(tmp_path_factory):
     return our_model(folder)
 
 
-def decode_logits(model, static: bool, lens: list[int], steps: int, kv_dtype=torch.float32, seed: int = 0):
+def decode_logits(model, static: bool | None, lens: list[int], steps: int, kv_dtype=torch.float32, seed: int = 0):
     """Prefills one sequence per length, then `steps` decode steps of all of them together: the decode logits
-    [steps, len(lens), vocab], and the runner."""
-    runner = ModelRunner(model, 16, kv_dtype, PAGE, static_decode=static)
+    [steps, len(lens), vocab], and the runner. `static`: True runs the decode steps as a graph would (padded, the
+    page-table kernel or its twin), None as the runner does by default (the step's own sizes; on the CPU row views),
+    False through the general forward (sequence by sequence: the reference)."""
+    runner = ModelRunner(model, 16, kv_dtype, PAGE, static_decode=bool(static))
+    if static is False:
+        runner.graphs = None
     gen = torch.Generator().manual_seed(seed)
     seqs = []
     for n in lens:
@@ -54,6 +58,19 @@ def test_static_decode_matches_eager(model, lens, one_thread):
     want = {(bucket(len(lens)), bucket(-(-(n + 5) // PAGE))) for n in lens}
     assert set(g.entries) <= {(bucket(len(lens)), p) for p in (1, 2, 4)} and len(g.entries) <= len(want) + 1
     assert sum(e.runs for e in g.entries.values()) == 5  # buckets reused, not one static set per step
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, "k8v4"])
+def test_the_cpus_default_decode_is_the_static_forward_at_its_own_sizes(model, kv_dtype, one_thread):
+    """By default the CPU decodes through the same static forward, unpadded (batch 3 stays 3, no scratch page) and
+    reading each row's pages as views: the general forward's logits, every step on this path, no bucket kept."""
+    reference, _ = decode_logits(model, False, [70, 5, 130], 4, kv_dtype)
+    default, runner = decode_logits(model, None, [70, 5, 130], 4, kv_dtype)
+    assert rel(default, reference) < 1e-6
+    assert torch.equal(default.argmax(-1), reference.argmax(-1))
+    g = runner.graphs
+    assert g.steps == 4 and not g.padded and g.row_views and g.entries == {}
+    assert runner.kv.num_pages == runner.pool.num_pages == 16
 
 
 @pytest.mark.parametrize("kv_dtype", ["k8v8", "k4v4", "rk4v4"])

@@ -17,7 +17,11 @@ def test_static_decode_on_triton_matches_eager(tmp_path, monkeypatch):
     monkeypatch.setattr(paged_attention, "paged_decode_attention",
                         lambda q, *a, **k: batches.append(q.shape[0]) or real(q, *a, **k))
     eager, _ = decode_logits(model, False, [70, 5, 130], 3)
-    assert set(batches) == {1}  # eager: one kernel call per sequence
+    assert set(batches) == {1}  # the general forward: one kernel call per sequence
+    batches.clear()
+    default, _ = decode_logits(model, None, [70, 5, 130], 3)
+    assert batches == [3] * 3 * model.cfg.num_layers  # unpadded: the kernel over the step's own 3 rows
+    assert rel(default, eager) < 1e-5
     batches.clear()
     static, runner = decode_logits(model, True, [70, 5, 130], 3)
     assert batches == [4] * 3 * model.cfg.num_layers  # one call per layer and step, for the padded batch
