@@ -273,12 +273,13 @@ class LocalService:
         import uvicorn
 
         from engine.server.app import create_app
+        from engine.server.protocol import APIErrorsProtocol
 
         s = self.state.settings
         sock = sock or bind_socket(s.host, s.port)
         self._port = sock.getsockname()[1]
         config = uvicorn.Config(create_app(self.state), log_level=s.log_level, log_config=None,
-                                timeout_graceful_shutdown=5, lifespan="off")
+                                timeout_graceful_shutdown=5, lifespan="off", http=APIErrorsProtocol)
         server = uvicorn.Server(config)
         self._server = server
 

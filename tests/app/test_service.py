@@ -2,6 +2,7 @@
 (Starting, serving and stopping a real engine is covered by test_flow.py through the app.)"""
 from __future__ import annotations
 
+import json
 import socket
 import time
 
@@ -11,6 +12,7 @@ import pytest
 from engine.config import settings_from_mapping
 from engine.errors import ModelLoadError, NInferError
 from engine.service import CANCELLED, STOPPED, LocalService, PortInUseError, connect_host
+from tests.api.test_unreadable_requests import raw_exchange
 from tests.app.conftest import free_port
 
 
@@ -124,5 +126,10 @@ def test_switch_the_model_on_the_same_port(tmp_path):
         assert "Paris" in after.json()["choices"][0]["message"]["content"]
         gone = httpx.post(service.url + "/chat/completions", json=dict(chat, model=old_id), timeout=30)
         assert gone.status_code == 404
+        # the app's server, like ninfer-serve, answers what the HTTP parser refuses in the API's error shape
+        status, headers, body = raw_exchange(port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                                   b"Content-Length: abc\r\n\r\n")
+        assert status == 400 and headers["content-type"] == "application/json"
+        assert json.loads(body)["error"]["code"] == "invalid_http"
     finally:
         service.stop()
