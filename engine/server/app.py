@@ -30,9 +30,14 @@ def create_app(state: ServerState) -> FastAPI:
     async def health():
         if state.loaded is not None:
             return {"status": "ok"}
-        status = "error" if state.load_error else "loading"
-        return JSONResponse({"status": status, "progress": round(state.load_progress, 3),
-                             "error": state.load_error}, status_code=503)
+        if state.load_error:
+            return JSONResponse({"status": "error", "progress": round(state.load_progress, 3),
+                                 "error": state.load_error}, status_code=503)
+        body = {"status": "switching" if state.switching_to else "loading", "progress": round(state.load_progress, 3),
+                "error": None}
+        if state.switching_to:
+            body["model"] = state.switching_to
+        return JSONResponse(body, status_code=503, headers={"Retry-After": "2"})
 
     @app.get("/v1/models")
     async def list_models():

@@ -116,6 +116,12 @@ def test_switch_the_model_on_the_same_port(tmp_path):
         during = httpx.post(service.url + "/chat/completions", json=dict(chat, model="other-model"), timeout=30)
         assert during.status_code == 503, during.text
         assert during.headers["Retry-After"] == "2" and "switching to the model 'other-model'" in during.text
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=30)
+        if health.status_code == 503:  # still switching: /health says so, with the same Retry-After
+            assert health.headers["Retry-After"] == "2"
+            assert health.json()["status"] == "switching" and health.json()["model"] == "other-model"
+        else:
+            assert health.status_code == 200
         assert service.wait_ready(240), service.load_error
         assert service.port == port and service.model_ids == ["other-model"]
         assert usage.last_used(other) is not None  # the library's "last used" column
