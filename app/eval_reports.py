@@ -20,6 +20,27 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QLineEdit, QListW
 CHECKS = ("needle", "count", "kld", "code", "agent")
 
 
+def configuration_flags(settings) -> list[str]:
+    """The ninfer-serve flags that give `settings`' model and engine settings where they differ from the defaults
+    (server and sampling settings do not change what a check measures): how the panel names a configuration."""
+    from engine.settings_table import SETTINGS
+
+    flags: list[str] = []
+    for s in SETTINGS:
+        if s.group == "sampling" or (s.group == "server" and s.name != "model"):
+            continue
+        value = getattr(settings, s.name)
+        if value == s.default:
+            continue
+        if s.type is bool:
+            flags.append(s.flag if value else "--no-" + s.flag[2:])
+        elif s.type is list:
+            flags += [part for v in value for part in (s.flag, str(v))]
+        else:
+            flags += [s.flag, str(value)]
+    return flags
+
+
 def reports_dir() -> Path:
     from app.paths import data_dir
 
@@ -40,9 +61,9 @@ class Report:
         if "checks" in self.data:  # a compare report: its own Markdown sits next to it
             md = self.path.with_name("report.md")
             return md.read_text(encoding="utf-8") if md.is_file() else json.dumps(self.data, indent=2)
-        from engine.tools.eval.cli import CHECKS as MODULES
-
-        text = MODULES[self.check].format_table(self.data, self.data.get("command", ""))
+        text = self.data.get("table")  # written by ninfer-eval --json beside the numbers
+        if not isinstance(text, str):
+            return "```\n" + json.dumps(self.data, indent=2) + "\n```"
         head, _, table = text.partition("\n\n")
         return "```\n" + head + "\n```\n\n" + table + (f"\n\n![heatmap]({self.data['png']})"
                                                        if self.data.get("png") else "")

@@ -12,6 +12,7 @@ from app import chat_io, theme
 from app.asyncutil import spawn
 from app.chat import ChatPanel
 from app.conversations import ConversationList
+from app.eval_reports import EvalReportsPanel, configuration_flags
 from app.logs import LogsPanel
 from app.monitor import MonitorPanel
 from app.server_panel import ServerPanel
@@ -41,6 +42,9 @@ class MainWindow(QMainWindow):
         self.tabs.addTab(self.monitor, "Monitor")
         self.tabs.addTab(self.server, "Server")
         self.tabs.addTab(self.logs, "Logs")
+        self.evals = EvalReportsPanel()  # ninfer-eval's reports on the running configuration
+        self.tabs.addTab(self.evals, "Checks")
+        self._eval_flags: list[str] | None = None
         split.addWidget(self.tabs)
         split.setStretchFactor(1, 1)
         split.setCollapsible(1, False)
@@ -161,6 +165,10 @@ class MainWindow(QMainWindow):
         for name, a in self.mode_actions.items():
             a.setChecked(name == c.mode)
             a.setEnabled(c.mode is not None)
+        flags = configuration_flags(c.settings) if c.settings is not None else None
+        if flags is not None and flags != self._eval_flags:
+            self._eval_flags = flags
+            self.evals.set_configuration(flags)
 
     def hideEvent(self, event) -> None:
         remember_size(self, self.controller.config, "main")

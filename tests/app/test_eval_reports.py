@@ -135,3 +135,21 @@ def test_a_failed_run_says_so(qtbot, tmp_path):
     qtbot.waitUntil(lambda: panel.run_button.isEnabled(), timeout=180_000)
     assert "before writing a report" in panel.status.text()
     assert "--no-such-option" in panel.output.toPlainText()
+
+
+def test_a_configuration_is_named_by_the_flags_that_give_it():
+    """configuration_flags: the model and engine settings that differ from the defaults, as ninfer-serve flags that
+    load back to the same values; server and sampling settings are left out (they do not change a check)."""
+    from app.eval_reports import configuration_flags
+    from engine.config import load_settings
+
+    given = ["--model", "m.gguf", "--kv-dtype", "k8v4", "--kv-window", "4096", "--kv-retrieve", "4096",
+             "--host-kv-mib", "2048", "--prefill-cublas", "--spec", "ngram", "--port", "9001", "--temperature", "0.3"]
+    settings, _ = load_settings(given, env={})
+    flags = configuration_flags(settings)
+    assert flags == ["--model", "m.gguf", "--kv-dtype", "k8v4", "--host-kv-mib", "2048", "--kv-window", "4096",
+                     "--kv-retrieve", "4096", "--spec", "ngram", "--prefill-cublas"]
+    again, _ = load_settings(flags, env={})
+    for name in ("model", "kv_dtype", "host_kv_mib", "kv_window", "kv_retrieve", "spec", "prefill_cublas"):
+        assert getattr(again, name) == getattr(settings, name)
+    assert configuration_flags(load_settings([], env={})[0]) == []

@@ -32,7 +32,7 @@ def test_the_main_window_fits_800x600(serving):
     window.resize(800, 600)
     wait_until(lambda: (window.width(), window.height()) == (800, 600), 3000)
     assert window.minimumSizeHint().width() <= 800 and window.minimumSizeHint().height() <= 600
-    for tab in (window.chat, window.monitor, window.server, window.logs):
+    for tab in (window.chat, window.monitor, window.server, window.logs, window.evals):
         window.tabs.setCurrentWidget(tab)
         wait_until(lambda: tab.isVisible(), 2000)
         assert (window.width(), window.height()) == (800, 600), tab

@@ -103,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
     except NInferError as e:
         print(f"ninfer-eval {args.check}: {e}", file=sys.stderr)
         return 1
-    print(module.format_table(summary, command))
+    table = module.format_table(summary, command)
+    print(table)
     if args.json:
-        try:
-            args.json.write_text(json.dumps({"command": command, "check": args.check,
-                                             "engine_flags": args.engine_flags, **summary}, indent=2, default=str))
+        try:  # the printed table goes along, so a reader of the report (the app) needs no code of the check
+            args.json.write_text(json.dumps({"command": command, "check": args.check, "engine_flags": args.engine_flags,
+                                             "table": table, **summary}, indent=2, default=str))
         except OSError as e:
             print(f"ninfer-eval: cannot write {args.json}: {e}; give a writable --json path", file=sys.stderr)
             return 1
