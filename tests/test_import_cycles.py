@@ -206,6 +206,12 @@ def test_no_import_cycles_at_module_level():
     assert not found, "import cycles at module level:\n" + "\n".join(" -> ".join(cycle) for cycle in found)
 
 
+def test_no_import_cycles_hidden_inside_functions():
+    """A deferred import still makes a cycle of the design: none, counting imports inside functions too."""
+    found = find_cycles(import_graph(everywhere=True))
+    assert not found, "import cycles through imports inside functions:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
 def test_the_engine_never_imports_its_tools():
     """engine/tools/ drives the engine from outside: no module of engine/ (outside tools), kernels/ or app/ imports
     it, not even inside a function."""

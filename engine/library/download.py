@@ -7,22 +7,14 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.library.hub import HubFile, LibraryError, OfflineError, endpoint, offline
-
-
-class DownloadCancelled(LibraryError):
-    """The user cancelled the download."""
-
-
-class HashMismatch(LibraryError):
-    """The downloaded bytes are not the ones the hub published."""
+from engine.library.errors import DownloadCancelled, HashMismatch, LibraryError, OfflineError, cache_dir
+from engine.library.hub import HubFile, endpoint, offline
 
 
 @dataclass(frozen=True)
@@ -35,14 +27,6 @@ class DownloadProgress:
     @property
     def fraction(self) -> float:
         return self.done / self.total if self.total else 0.0
-
-
-def cache_dir() -> Path:
-    """The hub cache, read from the environment when called (HF_HUB_CACHE, else HF_HOME/hub)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
 
 
 def sha256_of(path: Path, cancel: threading.Event | None = None) -> str:

@@ -7,18 +7,11 @@ import os
 import re
 from dataclasses import dataclass
 
-from engine.errors import NInferError
+from engine.library.errors import LibraryError, OfflineError
+from engine.library.token import load_token
 
 _QUANT = re.compile(r"(?:^|[-._])((?:I?Q|TQ)\d(?:_[A-Z0-9]+)*|BF16|F16|F32|MXFP4)(?=[-.])", re.IGNORECASE)
 _SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
-
-
-class LibraryError(NInferError):
-    """A model-library operation failed: search, listing, download or resolution."""
-
-
-class OfflineError(LibraryError):
-    """The hub cannot be reached (HF_HUB_OFFLINE set, or no network)."""
 
 
 def endpoint() -> str:
@@ -34,7 +27,6 @@ def offline() -> bool:
 def _api():
     from huggingface_hub import HfApi
 
-    from engine.library.token import load_token
 
     return HfApi(endpoint=endpoint(), token=load_token())
 
@@ -186,6 +178,5 @@ def file_url(f: HubFile) -> str:
 def auth_headers() -> dict[str, str]:
     from huggingface_hub.utils import build_hf_headers
 
-    from engine.library.token import load_token
 
     return build_hf_headers(token=load_token())

@@ -12,7 +12,8 @@ import re
 import threading
 from pathlib import Path
 
-from engine.library.hub import LibraryError, split_part
+from engine.library.errors import DownloadCancelled, LibraryError, cache_dir
+from engine.library.hub import split_part
 
 _SPLIT = re.compile(r"^(?P<base>.+)-(?P<no>\d{5})-of-(?P<of>\d{5})\.gguf$", re.IGNORECASE)
 
@@ -45,8 +46,6 @@ def sibling_parts(first: Path) -> list[Path]:
 
 
 def merged_dir() -> Path:
-    from engine.library.download import cache_dir
-
     return cache_dir().parent / "ninfer-merged"
 
 
@@ -98,8 +97,6 @@ def merge(parts: list[Path], out: Path, cancel: threading.Event | None = None) -
         writer.write_ti_data_to_file()
         for t in tensors:
             if cancel is not None and cancel.is_set():
-                from engine.library.download import DownloadCancelled
-
                 raise DownloadCancelled(f"Merging the parts of {out.name} was cancelled.",
                                         "Load it again to merge it.")
             writer.write_tensor_data(t.data)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engine.library.errors import LibraryError
+
 KEYRING_SERVICE = "ninfer"
 KEYRING_USER = "huggingface-token"
 
@@ -57,8 +59,6 @@ def load_token() -> str | None:
 
 def save_token(token: str) -> str:
     """Stores ``token``; returns where, in words (for the user). Raises LibraryError when it cannot be stored."""
-    from engine.library.hub import LibraryError
-
     token = token.strip()
     if not token:
         raise LibraryError("The token is empty.", "Paste a token from https://huggingface.co/settings/tokens.")

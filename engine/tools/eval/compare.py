@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import NInferError
+from engine.tools.eval import options
 from engine.tools.eval.stats import difference, rate_text
 
 ANSWER_FIELDS = {"needle": "answer", "count": "answer", "code": "completion", "agent": "answer"}
@@ -43,15 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """``argv`` after 'compare': A, B, then the options."""
-    from engine.tools.eval import cli
-
     if len(argv) < 2 or argv[0] in ("-h", "--help"):
         build_parser().print_help()
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     try:
         opts = build_parser().parse_args(argv[2:])
         report = compare(argv[0], argv[1], opts.check or DEFAULT_CHECKS, opts.out,
-                         cli.progress_bar(not opts.no_progress))
+                         options.progress_bar(not opts.no_progress))
     except NInferError as e:
         print(f"{e}", file=sys.stderr)
         return 1
@@ -60,8 +59,6 @@ def main(argv: list[str]) -> int:
 
 
 def compare(a: str, b: str, checks: list[str], out: Path, progress) -> str:
-    from engine.tools.eval import cli
-
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -71,14 +68,14 @@ def compare(a: str, b: str, checks: list[str], out: Path, progress) -> str:
     plan = []  # every check and side parsed before anything runs: a typo in B must not cost A's run
     for spec in checks:
         words = shlex.split(spec)
-        if not words or words[0] not in cli.CHECKS:
+        if not words or words[0] not in options.CHECKS:
             raise NInferError(f"--check {spec!r} does not start with a check name.",
-                              f"Start it with one of {', '.join(cli.CHECKS)}, e.g. --check 'needle --seeds 2'.")
+                              f"Start it with one of {', '.join(options.CHECKS)}, e.g. --check 'needle --seeds 2'.")
         sides = {}
         for side, flags in (("a", a), ("b", b)):
             extra = ["--png", str(out / f"{words[0]}-{side}.png")] if words[0] == "needle" else []
             try:
-                sides[side] = cli.parse([words[0], *words[1:], *shlex.split(flags), *extra])
+                sides[side] = options.parse([words[0], *words[1:], *shlex.split(flags), *extra])
             except NInferError as e:
                 raise NInferError(f"Configuration {side.upper()} ({flags!r}) with --check {spec!r}: {e.problem}",
                                   e.remedy) from None
@@ -87,7 +84,7 @@ def compare(a: str, b: str, checks: list[str], out: Path, progress) -> str:
         summaries = {}
         for side, (args, settings) in sides.items():
             print(f"ninfer-eval compare: {name} on {side.upper()}", file=sys.stderr)
-            summaries[side] = cli.CHECKS[name].run(settings, args, results, progress)
+            summaries[side] = options.CHECKS[name].run(settings, args, results, progress)
         report["checks"][name] = _side_by_side(name, summaries, results)
     (out / "report.json").write_text(json.dumps(report, indent=2, default=str))
     text = markdown(report)
