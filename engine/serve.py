@@ -31,6 +31,8 @@ def load_in_background(state, settings: Settings, on_failure=None) -> threading.
                                   progress=lambda f, _msg: setattr(state, "load_progress", f))
             loaded.engine.start()
             state.loaded = loaded
+            from engine.library import usage
+            usage.record(loaded.path)  # the library's "last used", as in the app
             log.info("ready: %s on %s, context %d tokens, %d KV pages, loaded in %.1f s",
                      loaded.path.name, loaded.device, loaded.context_window, loaded.engine.pool.num_pages,
                      loaded.load_seconds)

@@ -44,3 +44,25 @@ def test_the_engine_loads_and_answers_from_an_hf_reference(hub, hf_home):
         assert "Paris" in tok.decode(out)
     finally:
         loaded.engine.shutdown()
+
+
+def test_ninfer_serve_records_the_models_last_use(tmp_path, monkeypatch):
+    """ninfer-serve's loading thread notes the model's last use for the library, as the app does."""
+    import time
+
+    from engine.config import load_settings
+    from engine.library import usage
+    from engine.model.default import default_model_path
+    from engine.serve import load_in_background
+    from engine.server.state import ServerState
+
+    monkeypatch.setenv("NINFER_HOME", str(tmp_path / "home"))
+    settings, _ = load_settings(["--max-context", "256", "--device", "cpu"], env={})
+    state = ServerState(settings, ["m"])
+    before = time.time()
+    load_in_background(state, settings).join(300)
+    try:
+        assert state.loaded is not None, state.load_error
+        assert before <= usage.last_used(default_model_path()) <= time.time()
+    finally:
+        state.loaded.engine.shutdown()
