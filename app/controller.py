@@ -249,8 +249,15 @@ class Controller(LibraryMixin, BackendMixin, QObject):
         if self.quitting:
             return
         switched, self.switching = self.switching, False
+        if switched and s.switch_error:  # the new model did not load: the one served before is back
+            self.settings = s.settings
+            if self.launch_cfg is not None:
+                self.launch_cfg = dict(self.launch_cfg, model=s.settings.model)
         if self.window is None or self.launcher.isVisible():
             self.show_main()
+        elif switched and s.switch_error:
+            self.window.statusBar().showMessage(f"The model could not be loaded ({s.switch_error}); serving "
+                                                f"{', '.join(s.model_ids)} again.", 20000)
         elif switched:
             self.window.statusBar().showMessage(f"Now serving {', '.join(s.model_ids)} at {s.url}", 10000)
         else:  # started again from the tray while the window stays hidden

@@ -85,6 +85,8 @@ class LocalService:
         self.started_at: float | None = None
         self.ready_at: float | None = None
         self._cancel = threading.Event()
+        self._fallback: tuple | None = None  # (settings, path, model ids) served before a switch, until it loads
+        self.switch_error: str | None = None  # why the last switch went back to the model served before
         self._server = None  # uvicorn.Server
         self._server_thread: threading.Thread | None = None
         self._load_thread: threading.Thread | None = None
@@ -157,6 +159,7 @@ class LocalService:
             self._cancel.clear()
             self.ready.clear()
             self.finished.clear()
+            self._fallback, self.switch_error = None, None
             self.state.load_error, self.state.load_progress = None, 0.0
             self.progress, self.message, self.status = 0.0, "starting", LOADING
             self.started_at = time.monotonic()
@@ -227,7 +230,8 @@ class LocalService:
         """Serves another model on the same server (same host, port and key): the old engine is unloaded and the new
         one loads on a thread, as ``start()`` loads; requests meanwhile get 503 with Retry-After. Requests already
         running get up to ``drain_s`` seconds to finish before the old engine stops. A model that fails to load ends
-        the service "failed" (the server stops), as a failed start does. Raises NInferError when nothing is served
+        the old model loaded again (``switch_error`` says why; the server stays up); should that fail too, the
+        service ends "failed", as a failed start does. Raises NInferError when nothing is served
         or a load is under way, and ModelLoadError when ``model`` is not a usable path (the old model stays)."""
         from engine.model.loader import resolve_model_path
 
@@ -239,6 +243,9 @@ class LocalService:
             settings = dataclasses.replace(self.state.settings, model=model,
                                            sources={**self.state.settings.sources, "model": "app"})
             old = self.state.loaded
+            # what to serve again should the new model fail to load
+            self._fallback = (self.settings, self.model_path, list(self.state.model_ids))
+            self.switch_error = None
             self.ready.clear()
             self.finished.clear()
             self._cancel.clear()
@@ -321,6 +328,7 @@ class LocalService:
             if self._cancel.is_set():
                 raise LoadCancelled()
             loaded.engine.start()
+            self._fallback = None
             self.state.switching_to = ""
             self.state.loaded = loaded
             self.progress, self.message, self.status = 1.0, "ready", READY
@@ -344,7 +352,26 @@ class LocalService:
         finally:
             self.finished.set()
 
+    def _fall_back(self, error: str) -> bool:
+        """After a switch whose model failed to load: loads the model served before again (True), once."""
+        if self._fallback is None:
+            return False
+        settings, path, model_ids = self._fallback
+        self._fallback = None
+        self.switch_error = error
+        log.error("switching the model failed: %s; loading %s again", error, path)
+        self.settings, self.model_path = settings, path
+        self.state.apply_settings(settings)
+        self.state.model_ids = model_ids
+        self.state.switching_to = path.stem if path.is_file() else path.name
+        self.state.load_error, self.state.load_progress = None, 0.0
+        self.progress, self.message = 0.0, f"switching back to {self.state.switching_to}"
+        self._load()
+        return True
+
     def _fail(self, error: str) -> None:
+        if self._fall_back(error):
+            return
         self.state.switching_to = ""
         self.state.load_error = error
         self.status, self.message = FAILED, "failed"

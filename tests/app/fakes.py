@@ -17,7 +17,7 @@ class FakeService:
     status = "ready"
     model_ids = ["fake-model"]
     model_path = "fake-model.gguf"
-    progress, message, load_error = 1.0, "ready", None
+    progress, message, load_error, switch_error = 1.0, "ready", None, None
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None):
         self.host, self.api_key = host, api_key

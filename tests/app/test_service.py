@@ -139,3 +139,26 @@ def test_switch_the_model_on_the_same_port(tmp_path):
         assert json.loads(body)["error"]["code"] == "invalid_http"
     finally:
         service.stop()
+
+
+def test_a_switch_to_a_model_that_fails_to_load_serves_the_old_one_again(tmp_path):
+    """A file that exists but does not load (a GGUF cut short): the switch goes back to the model served before,
+    on the same port, and says why (switch_error); chats answer again."""
+    from engine.model.default import default_model_path
+
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(default_model_path().read_bytes()[:1 << 20])
+    port = free_port()
+    service = LocalService(settings_from_mapping({"port": port, "max_context": 512, "device": "cpu"}, "app")).start()
+    try:
+        assert service.wait_ready(240), service.load_error
+        old_id, old_path = service.model_ids[0], service.model_path
+        service.switch_model(str(broken))
+        assert service.wait_ready(240), service.load_error
+        assert service.status == "ready" and service.port == port and service.model_ids == [old_id]
+        assert service.model_path == old_path and service.settings.model != str(broken)
+        assert "broken.gguf" in service.switch_error or "truncated" in service.switch_error.lower()
+        chat = {"model": old_id, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        assert httpx.post(service.url + "/chat/completions", json=chat, timeout=120).status_code == 200
+    finally:
+        service.stop()
