@@ -61,7 +61,7 @@ def json_head(buf: str, i: int, names: set[str] | None, in_list: bool = False):
     return name, j - 1
 
 
-class _Brackets:
+class Brackets:
     """The open brackets of raw JSON-like text (strings skipped), to find where a broken value ends."""
 
     def __init__(self, stack: list[str] | None = None, lenient: bool = False):
@@ -103,8 +103,8 @@ class LiveCalls(XmlCalls):
         self.state = "value"
         self.in_list = False
         self.writer: ArgsWriter | None = None
-        self.raw = _Brackets(lenient=True) if kind in ("bare", "mistral", "named") else None
-        self.extra: _Brackets | None = None
+        self.raw = Brackets(lenient=True) if kind in ("bare", "mistral", "named") else None
+        self.extra: Brackets | None = None
         self.function = ""   # the XML call's name
         self.param = ""      # the XML parameter being read
         self.params = 0      # parameters written so far
@@ -231,7 +231,7 @@ class LiveCalls(XmlCalls):
         return args_at
 
     def _whole(self, buf: str, i: int, final: bool):
-        end = _Brackets().feed(buf[i:])
+        end = Brackets().feed(buf[i:])
         if end is None:
             return None
         calls = None
@@ -275,7 +275,7 @@ class LiveCalls(XmlCalls):
             self._after_object()
             return j + 1
         if buf[j] == ",":
-            self.extra, self.state = _Brackets(["}"]), "extra"
+            self.extra, self.state = Brackets(["}"]), "extra"
             return j
         self.state = "junk"
         return j

@@ -29,7 +29,7 @@ from typing import Any, Union
 
 from engine.server.callevents import CallEvents, ToolCall
 from engine.server.callsyntax import CALL_FIRST_KEYS, JSON_WS, calls_from_json, json_calls, loads, tag_calls
-from engine.server.livecalls import LiveCalls, json_head
+from engine.server.livecalls import Brackets, LiveCalls, json_head
 from engine.server.partialcalls import cut_call
 from engine.server.reasoning import partial_tail
 from engine.server.xmlcalls import WAIT, xml_head
@@ -97,37 +97,18 @@ class _JsonScan:
 
     def __init__(self, start: int):
         self.start = self.pos = start
-        self.stack: list[str] = []
-        self.in_str = self.escaped = False
+        self.brackets = Brackets()
         self.result: int | None = None
 
     def end(self, text: str) -> int | None:
         """Index just past the value; None while incomplete; -1 when the brackets cannot match."""
         if self.result is None:
-            self.result = self._scan(text)
+            got = self.brackets.feed(text[self.pos:])
+            if got is None:
+                self.pos = len(text)
+            else:
+                self.result = got if got < 0 else self.pos + got
         return self.result
-
-    def _scan(self, text: str) -> int | None:
-        for j in range(self.pos, len(text)):
-            c = text[j]
-            if self.in_str:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_str = False
-            elif c == '"':
-                self.in_str = True
-            elif c in "{[":
-                self.stack.append("}" if c == "{" else "]")
-            elif c in "}]":
-                if not self.stack or self.stack.pop() != c:
-                    return -1
-                if not self.stack:
-                    return j + 1
-        self.pos = len(text)
-        return None
 
 
 _WAIT = object()
