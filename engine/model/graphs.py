@@ -204,6 +204,8 @@ class DecodeGraphs:
 
     def run(self, works) -> list[torch.Tensor]:
         """Logits [1, vocab] per work (copies: the static output is overwritten by the next step)."""
+        for w in works:  # as the general forward does: the page table learns the cache it indexes
+            w.pages.bind(self.kv, w.start, 1)
         pages = max(w.start // self.page_size + 1 for w in works)
         size = bucket if self.padded else int
         rotary = getattr(self.model, "rotary", None)

@@ -57,9 +57,9 @@ def _all_logits(model):
     seen: dict[int, torch.Tensor] = {}
     forward = model.forward
 
-    def recording(batch):
+    def recording(batch, *more):  # more: the runner's interrupt of a prompt chunk
         rows, batch.logit_rows = batch.logit_rows, None
-        out = forward(batch)
+        out = forward(batch, *more)
         for pos, row in zip(batch.positions.tolist(), out):
             seen[pos] = row.clone()
         return out if rows is None else out.index_select(0, rows)
