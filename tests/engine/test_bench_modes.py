@@ -172,3 +172,16 @@ def test_other_peer_failures_are_named(monkeypatch):
                                                "sys.exit(p.child_main())"])
     with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):
         peer.run_peer(Path("m.gguf"), 1, 64, [1, 2], 2, 1)
+
+
+def test_the_load_meter_does_not_count_the_benchmarks_own_child_process():
+    """A peer measured in a child process (llama.cpp) is the benchmark's own work, not another process's load."""
+    import subprocess
+    import sys
+
+    from engine.tools.bench.machine import LoadMeter
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0:\n    pass\n"
+    with LoadMeter() as meter:
+        subprocess.run([sys.executable, "-c", burn], check=True)
+    assert meter.cores < 0.5, meter.cores  # the child kept one core busy for about a second

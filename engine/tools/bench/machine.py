@@ -28,7 +28,8 @@ def measure_bandwidth(device: torch.device, rows: int = 49152, cols: int = 576, 
 
 
 class LoadMeter:
-    """CPU time other processes used while the benchmark ran, in cores (0.0 on an otherwise idle machine)."""
+    """CPU time other processes used while the benchmark ran, in cores (0.0 on an otherwise idle machine); the
+    benchmark's own child processes are not other processes."""
 
     def __enter__(self):
         self._me = psutil.Process()
@@ -45,8 +46,9 @@ class LoadMeter:
         return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
 
     def _own(self) -> float:
+        """This process's CPU time and its finished children's (a peer measured in a child process of its own)."""
         t = self._me.cpu_times()
-        return t.user + t.system
+        return t.user + t.system + t.children_user + t.children_system
 
 
 def machine_facts(loaded, threads: int) -> dict:
