@@ -201,3 +201,22 @@ def test_cancel_a_download_then_continue_it(qapp, qloop, app_home, hub, hf_home,
     assert resumed[2].startswith("bytes=") and int(resumed[2][6:].split("-")[0]) >= cut_at
     wait_until(lambda: [m.name for m in local.models] == ["test-org/Tiny-GGUF/Tiny-Q8_0.gguf"], 20_000)
     run(controller.quit(), 30_000)
+
+
+def test_a_burst_of_progress_reports_is_drawn_once_per_tick(qtbot):
+    """The download thread may report far faster than the eye needs: the bar keeps the latest report and the
+    redraw timer draws it once; a tick without a new report draws nothing."""
+    from types import SimpleNamespace
+
+    from app.library_find import FindPanel
+    from engine.library.download import DownloadProgress
+
+    panel = FindPanel(controller=None)
+    qtbot.addWidget(panel)
+    panel.downloading = SimpleNamespace(filename="model.gguf")
+    for done in range(1, 51):
+        panel._progress_arrived(DownloadProgress(done=done * 20, total=1000, rate=100.0, eta_s=1.0))
+    panel._redraw_progress()
+    assert panel.progress_shown == 1 and panel.progress.value() == 1000  # one redraw, of the last report
+    panel._redraw_progress()
+    assert panel.progress_shown == 1  # nothing new: nothing drawn
