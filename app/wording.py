@@ -33,7 +33,8 @@ LABELS = {
     "default_max_tokens": "Default max tokens", "default_reasoning_effort": "Default reasoning effort",
     "mode": "Mode", "temperature": "Temperature", "top_p": "Top-p", "top_k": "Top-k", "min_p": "Min-p",
     "presence_penalty": "Presence penalty", "frequency_penalty": "Frequency penalty", "greedy": "Greedy (no sampling)",
-    "threads": "CPU threads", "cuda_graphs": "CUDA graphs", "prefill_cublas": "Prefill with cuBLAS",
+    "threads": "CPU threads", "cuda_graphs": "CUDA graphs",
+    "cpu_compile": "Compile for the CPU", "prefill_cublas": "Prefill with cuBLAS",
     "prefill_chunk": "Prefill chunk (tokens)", "max_concurrency": "Conversations at once",
 }
 

@@ -128,6 +128,7 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
         raise NInferError(f"--gdn-state-fp16 stores the recurrent state of Gated-DeltaNet layers in fp16, but "
                           f"{path.name} ({cfg.arch}) has no such layers.", "Drop --gdn-state-fp16 for this model.")
     options = {"state_fp16": True} if c.gdn_state_fp16 else {}
+    options["cpu_compile"] = c.cpu_compile
     net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto", **options)
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
     selfcheck.run(weights, net, fmt, kdtype, tokenizer, allow=c.allow_lossy_format)

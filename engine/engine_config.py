@@ -28,6 +28,7 @@ class EngineConfig:
     threads: int = _default("threads")  # CPU threads (0: PyTorch's choice)
     prefill_cublas: bool = _default("prefill_cublas")
     cuda_graphs: str = _default("cuda_graphs")  # auto | on | off
+    cpu_compile: str = _default("cpu_compile")  # auto | off
     gdn_state_fp16: bool = _default("gdn_state_fp16")
     allow_lossy_format: bool = _default("allow_lossy_format")
     # how much it holds

@@ -74,6 +74,7 @@ class Settings:
     # performance
     threads: int = _default("threads")
     cuda_graphs: str = _default("cuda_graphs")
+    cpu_compile: str = _default("cpu_compile")
     prefill_cublas: bool = _default("prefill_cublas")
     prefill_chunk: int = _default("prefill_chunk")
     max_concurrency: int = _default("max_concurrency")

@@ -16,7 +16,7 @@ from engine.errors import ModelLoadError
 from engine.model.config import GGUF_ARCHS, GGUF_HYBRID_ARCHS, GGUF_MOE_ARCHS, LinearAttentionConfig, ModelConfig
 from engine.model.gguf_names import column_heads, gguf_name, hf_name, restore, row_order, stored_shape, untile
 from engine.model.gguf_exact import EXACT_LAYOUTS, STORED_AS, pack_exact, probe_planes
-from engine.model.linear import TERNARY_GROUP, is_linear
+from engine.model.linear import TERNARY_GROUP, keeps_codes
 from kernels.quant import QuantizedWeight, dequantize as dequantize_weight, from_gguf, quantize_ternary
 from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete, expected_shapes
 
@@ -185,7 +185,7 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
         want = stored_shape(name, cfg, expected.get(name))
         rows, cols = row_order(name, cfg, shape, want), column_heads(name, cfg, shape, want)
         block = GGML_QUANT_SIZES[GGMLQuantizationType(t.tensor_type)][0]
-        if native and is_linear(name) and kind in NATIVE_TYPES and len(shape) == 2 \
+        if native and keeps_codes(name) and kind in NATIVE_TYPES and len(shape) == 2 \
                 and (cols is None or cols[2] % block == 0):
             raw = np.array(t.data, dtype=np.uint8, order="C").reshape(shape[0], -1)
             if rows is not None:  # whole rows move, so the packed blocks can be reordered as they are
@@ -221,7 +221,7 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
                                  "The file is damaged or was converted wrongly; convert it again.") from None
         if native and kind not in DENSE_TYPES:
             exact = exact_native(arr, kind, np.asarray(t.data).reshape(shape[0], -1), reorder) \
-                if is_linear(name) and len(shape) == 2 else None
+                if keeps_codes(name) and len(shape) == 2 else None
             storage[name] = f"{kind} -> {STORED_AS[kind] if exact is not None else 'float32'}"
             if exact is not None:
                 tensors[name] = exact

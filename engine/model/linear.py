@@ -31,6 +31,15 @@ def is_linear(name: str) -> bool:
         or name == "lm_head.weight"
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def keeps_codes(name: str) -> bool:
+    """A tensor a GGUF file's low-bit codes are loaded for as they are: the linear weights, and the embedding (whose
+    rows are decoded when looked up on the CPU, and which is the output layer of a tied model)."""
+    return is_linear(name) or name == EMBEDDING
+
+
 def native_format(tensors: dict[str, Weight]) -> str | None:
     """The low-bit format most linear weights are stored in (as loaded from a GGUF file), if any."""
     kinds = [t.format for n, t in tensors.items() if is_linear(n) and isinstance(t, QuantizedWeight)]
@@ -45,10 +54,13 @@ def convert(name: str, t: Weight, fmt: str, dtype: torch.dtype, device: torch.de
     """One tensor in the format the model runs: dense tensors for norms/embeddings, `fmt` for linear weights.
     `keep_native` (--weight-dtype auto): a linear weight keeps the format it was loaded in, low-bit or dense (a GGUF
     file's weights are never stored with fewer bits than the file gives them, engine/model/gguf_exact.py). The
-    output layer on the CPU is dense in `dtype`, from the exact weights: the logits are float32-accurate (the CPU
-    low-bit kernels compute in bf16); elsewhere a low-bit model's output layer is int8 per channel unless kept."""
+    output layer on the CPU keeps a low-bit weight as loaded (engine/model/head.output_layer computes its logits in
+    float32) and is dense in `dtype` otherwise; elsewhere a low-bit model's output layer is int8 per channel unless
+    kept."""
     dense = lambda: dequantize(t, torch.float32) if isinstance(t, QuantizedWeight) else t  # noqa: E731
     head = name == "lm_head.weight"
+    if (head or name == EMBEDDING) and device.type == "cpu" and fmt in LOW_BIT and isinstance(t, QuantizedWeight):
+        return t  # as stored: engine/model/head.py decodes the looked-up rows and makes the logits float32-exact
     if fmt not in LOW_BIT or not is_linear(name) or head and device.type == "cpu":
         return dense().to(device=device, dtype=dtype)
     if keep_native:

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 from engine.memory.specs import AttentionSpec
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
+from engine.model.head import embed_rows, output_layer
 from engine.model.interrupt import Interrupt
 from engine.model.layers import Rotary, paged_attention, rms_norm, silu_and_mul
 from engine.model.linear import Linear, convert, fuse
@@ -63,9 +63,10 @@ class LlamaModel:
     builds one per kind, each runs over the cache of its kind at its ordinal among the layers of that kind."""
 
     def __init__(self, weights: LoadedWeights, dtype: torch.dtype, device: torch.device, weight_format: str = "",
-                 keep_native: bool = False):
+                 keep_native: bool = False, cpu_compile: str = "auto"):
         """dtype: activations and dense weights; weight_format: int8 / int4 / ternary for the linear weights, or
-        empty for dense; keep_native: low-bit weights stored in another runnable format keep it (linear.convert)."""
+        empty for dense; keep_native: low-bit weights stored in another runnable format keep it (linear.convert);
+        cpu_compile: --cpu-compile (engine/model/head.py)."""
         cfg = self.cfg = weights.config
         self.dtype, self.device, self.weight_format = dtype, device, weight_format or str(dtype).split(".")[-1]
         w = {name: convert(name, t, weight_format, dtype, device, keep_native)
@@ -74,7 +75,7 @@ class LlamaModel:
         head = w.get("lm_head.weight")
         if cfg.tie_embeddings:
             head = convert("lm_head.weight", weights.tensors["model.embed_tokens.weight"], weight_format, dtype, device)
-        self.lm_head = Linear(head)
+        self.lm_head = output_layer(head, dtype, device, cpu_compile)
         self.norm = w["model.norm.weight"]
         self.layers = [self.make_layer(kind, cfg, w, f"model.layers.{i}.") for i, kind in enumerate(cfg.layer_kinds)]
         self.ordinals = cfg.kind_ordinals()
@@ -158,7 +159,7 @@ class LlamaModel:
         """Logits [rows, vocab] (float32) for batch.logit_rows, or for every token when it is None. `interrupt`
         (engine/model/interrupt.py): asked before each layer; the sequences it names leave the batch, and the logits
         are those of the remaining sequences' rows ([0, vocab] when none remains)."""
-        x = F.embedding(batch.input_ids, self.embed)
+        x = embed_rows(self.embed, batch.input_ids).to(self.dtype)
         residual = None
         tables = self.rotary.tables(batch.positions, batch.max_position)
         for layer, ordinal in zip(self.layers, self.ordinals):

@@ -62,13 +62,13 @@ class GatedAttentionLayer:
 
 class Qwen35Model(LlamaModel):
     def __init__(self, weights: LoadedWeights, dtype: torch.dtype, device: torch.device, weight_format: str = "",
-                 keep_native: bool = False, state_fp16: bool = False):
+                 keep_native: bool = False, cpu_compile: str = "auto", state_fp16: bool = False):
         """`state_fp16` (--gdn-state-fp16): the delta-rule state is stored in fp16 (half the bytes); it is computed
         in fp32, and its read-out stays fp32 until the gated norm."""
         self.state_dtype = "float16" if state_fp16 else "float32"
         tensors = {n: (1.0 + t.float()) if _zero_centred(n) else t for n, t in weights.tensors.items()}
         super().__init__(LoadedWeights(weights.config, tensors, weights.source_format, weights.storage), dtype,
-                         device, weight_format, keep_native)
+                         device, weight_format, keep_native, cpu_compile)
         cfg = self.cfg
         self.rotary = Rotary(int(cfg.head_dim * cfg.partial_rotary), cfg.rope_theta, cfg.rope_scaling, None, device)
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 from engine.ledger.common import DEFAULT_DRAFT_TOKENS
+from engine.model.head import embed_rows
 from engine.model.layers import rms_norm
 from engine.model.linear import Linear
 from engine.runner import ModelRunner, Work
@@ -136,7 +136,7 @@ class MTPModule:
     @torch.inference_mode()
     def forward(self, batch) -> torch.Tensor:
         eps = self.cfg.rms_eps
-        e = rms_norm(F.embedding(batch.input_ids, self.embed), self.norm_e, eps)
+        e = rms_norm(embed_rows(self.embed, batch.input_ids).to(self.dtype), self.norm_e, eps)
         h = rms_norm(self.hidden_in.to(self.dtype), self.norm_h, eps)
         x = self.fc(torch.cat([e, h], dim=-1))
         x, residual = self.layer.forward(x, None, 0, batch, self.rotary)

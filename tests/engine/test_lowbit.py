@@ -54,9 +54,23 @@ def test_auto_runs_the_default_model_as_int4_and_reads_far_fewer_bytes(engines):
     fp32, int4 = (engines[w].engine.runner.model for w in ("fp32", "int4"))
     layers = lambda m: m.weight_bytes() - m.lm_head.nbytes  # noqa: E731
     assert layers(int4) < 0.2 * layers(fp32), (layers(int4), layers(fp32))
-    # the output layer stays float32 on the CPU (float32-accurate logits), the Q8_0 embedding's exact decoding
-    head = int4.lm_head.weight
-    assert isinstance(head, torch.Tensor) and head.dtype == torch.float32 and torch.equal(head, fp32.lm_head.weight)
+    # the output layer (the tied Q8_0 embedding) keeps the file's codes on the CPU: they decode to exactly the fp32
+    # run's weight, and its logits are float32 products (engine/model/head.py), not bf16 ones
+    from engine.model.head import CompiledHead, embed_rows
+    from kernels.quant import dequantize
+
+    head = int4.lm_head
+    assert isinstance(head, CompiledHead) and torch.equal(dequantize(head.weight), fp32.lm_head.weight)
+    assert head.nbytes < 0.3 * fp32.lm_head.nbytes
+    x = torch.randn(3, fp32.cfg.hidden_size, generator=torch.Generator().manual_seed(0)) * 4
+    want = x @ fp32.lm_head.weight.T
+    for rows in (x[:1], x):
+        got = head(rows)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want[:len(rows)], rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # the embedding rows decode to the fp32 run's rows
+    ids = torch.tensor([0, 5, 49151, 5])
+    assert torch.equal(embed_rows(int4.embed, ids), torch.nn.functional.embedding(ids, fp32.embed))
 
 
 @pytest.mark.slow

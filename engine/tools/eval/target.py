@@ -19,7 +19,7 @@ from engine.sampling import SamplingParams
 # Settings that change what the model computes; the rest (server, sampling defaults) do not enter result keys.
 ENGINE_KEYS = ("model", "device", "weight_dtype", "kv_dtype", "max_context", "gdn_state_fp16", "kv_window",
                "kv_retrieve", "kv_ring", "host_kv_mib", "allow_lossy_window", "prefill_chunk", "prefill_cublas",
-               "spec", "draft_tokens", "draft_model", "lm_head_draft", "threads", "cuda_graphs")
+               "spec", "draft_tokens", "draft_model", "lm_head_draft", "threads", "cuda_graphs", "cpu_compile")
 
 
 class EngineTarget:
