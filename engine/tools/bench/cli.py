@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NInfer only: low-bit layers run prefill chunks as dense matmuls (--prefill-cublas true)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="NInfer only: decode steps replayed as CUDA graphs (auto: on with CUDA and Triton)")
+    p.add_argument("--cpu-compile", choices=("auto", "off"), default="auto",
+                   help="NInfer only: the CPU output layer of a low-bit model compiled (auto) or dense float32 (off)")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="NInfer only: also profile N decode steps by ATen operator (torch.profiler)")
     p.add_argument("--via-api", action="store_true",
@@ -98,7 +100,7 @@ def _run(args, command: str) -> int:
                               max_context=args.max_context or (4096 if args.spec else 0),
                               max_shared_prefixes="auto" if args.warm_prefix else 0,  # else: every run prefills
                               kv_window=args.kv_window, kv_retrieve=args.kv_retrieve, host_kv_mib=args.host_kv_mib,
-                              prefill_cublas=args.prefill_cublas, cuda_graphs=args.cuda_graphs, **spec)
+                              prefill_cublas=args.prefill_cublas, cuda_graphs=args.cuda_graphs, cpu_compile=args.cpu_compile, **spec)
     except NInferError as err:
         print(f"ninfer-bench: {err}", file=sys.stderr)
         return 1
