@@ -36,6 +36,9 @@ _compiled = None
 def _kernel():
     global _compiled
     if _compiled is None:
+        # one compiled entry per weight shape (output layers of models loaded one after another, a draft model's):
+        # past dynamo's limit (8 by default) it would run the expression eagerly, correct but slow
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         _compiled = torch.compile(_one_row, dynamic=False, fullgraph=True)
     return _compiled
 
@@ -70,6 +73,8 @@ def exact_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """[M, K] float32 -> [M, N] float32 (see the module docstring); `ready(qw)` must have returned None."""
     c, d, m = _operands(qw)
     rows = x.shape[0]
+    if rows == 0:
+        return x.new_empty(0, qw.out_features)
     if rows <= MAX_COMPILED_ROWS:
         with torch.inference_mode():  # the mode it was compiled in (another would compile it again)
             if rows == 1:

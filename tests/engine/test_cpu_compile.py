@@ -49,3 +49,11 @@ def test_compiled_and_eager_give_identical_greedy_tokens_and_logits(engines, pro
         a, b = (last_logits(engines[m], ids + want[:n]) for m in ("auto", "off"))
         assert a.dtype == b.dtype == torch.float32
         assert ((a - b).abs().max() / b.abs().max()).item() < 1e-5
+
+
+def test_a_prompt_longer_than_a_prefill_chunk(engines):
+    """The first chunk of a 700-token prompt asks the output layer for no row at all (no sequence ends there)."""
+    ids = list(range(1000, 1700))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    got, want = (engines[m].engine.generate(ids, params) for m in ("auto", "off"))
+    assert got == want and len(got) == 8

@@ -29,6 +29,7 @@ def test_exact_linear_equals_the_float32_matmul_for_every_row_count(mins):
     assert cpu_compiled.ready(qw) is None
     x = torch.randn(40, 256, generator=torch.Generator().manual_seed(1)) * 3
     want = quant_linear_ref(x, qw)
+    assert cpu_compiled.exact_linear(x[:0], qw).shape == (0, 1000)  # a step whose sequences all left
     for rows in (1, 2, 8, 9, 40):  # the compiled one-row pass up to MAX_COMPILED_ROWS, dequantized blocks beyond
         got = cpu_compiled.exact_linear(x[:rows], qw)
         assert got.dtype == torch.float32 and got.shape == (rows, 1000)
