@@ -42,7 +42,7 @@ class LoadedEngine:
     dtype: torch.dtype
     load_seconds: float = 0.0
     ledger: Ledger | None = None  # the memory ledger the KV pools were sized with
-    weight_storage: str = ""  # what each stored type became: "210 x Q4_1 -> int4, 61 x F32, 1 x Q8_0 -> float32"
+    weight_storage: str = ""  # what each stored type became: "210 x Q4_1 -> int4, 61 x F32, 1 x Q8_0 -> int8"
 
     @property
     def context_window(self) -> int:

@@ -19,8 +19,9 @@ def test_models_lists_served_ids_and_context(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL, "smol"]
     assert models[0].model_extra["context_window"] == 2048
-    # what each GGUF type of the file (210 Q4_1 linear weights, 61 F32 norms, the Q8_0 embedding) became
-    assert models[0].model_extra["weight_storage"] == "210 x Q4_1 -> int4, 61 x F32, 1 x Q8_0 -> float32"
+    # what each GGUF type of the file (210 Q4_1 linear weights, 61 F32 norms, the Q8_0 embedding) became: the
+    # embedding keeps its 8-bit codes (decoded per looked-up row; the tied output layer computes float32 logits)
+    assert models[0].model_extra["weight_storage"] == "210 x Q4_1 -> int4, 61 x F32, 1 x Q8_0 -> int8"
 
 
 def test_chat_non_stream_answers_paris_with_usage(client):
