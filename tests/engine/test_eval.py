@@ -129,6 +129,26 @@ def test_usage_errors_name_the_problem(tiny, capsys):
     assert "--ctx" in capsys.readouterr().err
 
 
+def test_text_names_a_bundled_text_or_a_file(tiny, tmp_path, capsys):
+    """--text harbour / genesis are the bundled texts; the long one holds tens of thousands of the default model's
+    tokens (long contexts); any other value is a path, and one that cannot be read is named with the remedy."""
+    from engine.model.loader import resolve_model_path
+    from engine.tokenizer import Tokenizer
+    from engine.tools.eval import kld
+
+    assert kld.text_path(None) == kld.text_path("harbour") == kld.TEXTS_DIR / "harbour.txt"
+    assert kld.text_path("genesis").name == "genesis.txt"
+    assert kld.text_path(str(tmp_path / "mine.txt")) == tmp_path / "mine.txt"
+    tok = Tokenizer.from_path(resolve_model_path(None))
+    lengths = {name: len(tok.encode(path.read_text(encoding="utf-8"), add_special_tokens=False))
+               for name, path in kld.BUNDLED_TEXTS.items()}
+    assert lengths["harbour"] == 2837 and lengths["genesis"] > 40_000, lengths
+    folder, _, _ = tiny
+    assert cli.main(["kld", str(folder), "--text", str(tmp_path / "missing.txt"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "missing.txt" in err and "genesis" in err
+
+
 # ---------------------------------------------------------------- needle
 
 def test_needle_prompt_hides_the_key_at_its_depth():

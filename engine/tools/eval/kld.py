@@ -1,6 +1,6 @@
 """``ninfer-eval kld``: how far a configuration's next-token distributions are from a reference configuration's.
 
-The text (resources/eval/harbour.txt unless --text) is cut into segments of --ctx tokens; each segment runs through
+The text (resources/eval/harbour.txt unless --text names another bundled text or a file) is cut into segments of --ctx tokens; each segment runs through
 both engines as one prompt, and at every position but the last the full-vocabulary distributions are compared:
 KL(reference || candidate) in nats, whether both put the same token first (top-1 agreement), and each one's
 negative log-likelihood of the text's actual next token (perplexity = exp of its mean). Every position of a segment
@@ -19,7 +19,17 @@ import torch
 from engine.errors import NInferError
 from engine.tools.eval.results import ResultsFile, config_key
 
-TEXT = Path(__file__).resolve().parents[3] / "resources" / "eval" / "harbour.txt"
+TEXTS_DIR = Path(__file__).resolve().parents[3] / "resources" / "eval"
+# the bundled texts --text names: a short one of the project's own, and a long public-domain one for long contexts
+BUNDLED_TEXTS = {"harbour": TEXTS_DIR / "harbour.txt", "genesis": TEXTS_DIR / "genesis.txt"}
+TEXT = BUNDLED_TEXTS["harbour"]
+
+
+def text_path(given: str | Path | None) -> Path:
+    """--text: None is the default bundled text, a bundled text's name its file, anything else a path."""
+    if given is None:
+        return TEXT
+    return BUNDLED_TEXTS.get(str(given), Path(given))
 
 # The reference: the weights as the file decodes them, in fp32; fp32 KV; the whole context; nothing approximated.
 REFERENCE = {"weight_dtype": "fp32", "kv_dtype": "fp32", "kv_window": 0, "kv_retrieve": 0, "kv_ring": "auto",
@@ -31,8 +41,10 @@ NO_PREFIX_REUSE = {"max_shared_prefixes": 0, "kv_reuse_hostbacked": False}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--text", type=Path, default=None, help="UTF-8 text file to score (default: the bundled "
-                   "resources/eval/harbour.txt, 2,837 tokens of the default model)")
+    p.add_argument("--text", default=None, metavar="NAME|FILE",
+                   help="the text to score: 'harbour' (the default: resources/eval/harbour.txt, 2,837 tokens of "
+                        "the default model), 'genesis' (resources/eval/genesis.txt, a long public-domain text of "
+                        "45,927 tokens of the default model, for long contexts), or a UTF-8 text file")
     p.add_argument("--ctx", type=int, default=1024, help="tokens per segment (default 1024)")
     p.add_argument("--max-segments", type=int, default=0, help="score at most this many segments (0: all)")
     p.add_argument("--ref", default="", metavar="FLAGS",
@@ -128,11 +140,12 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
 
     if args.ctx < 16:
         raise NInferError(f"--ctx {args.ctx} is too short to score.", "Use --ctx 16 or more (e.g. 1024).")
-    path = Path(args.text) if args.text else TEXT
+    path = text_path(args.text)
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise NInferError(f"Cannot read the text {path}: {e}.", "Give --text a UTF-8 text file.") from None
+        raise NInferError(f"Cannot read the text {path}: {e}.", "Give --text a UTF-8 text file, or the name of a "
+                          f"bundled text ({', '.join(BUNDLED_TEXTS)}).") from None
     ref_model, ref_over = reference_overrides(args.ref)
     model_path = resolve_model_path(settings.model)
     tok = Tokenizer.from_path(model_path)
