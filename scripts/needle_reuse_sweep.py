@@ -3,15 +3,22 @@ another prompt's prefix find the key the same request finds sent cold, and the f
 
     python scripts/needle_reuse_sweep.py --depths 0.2 0.5 --keys 71432 50917 --retrieve 512 1024 --filler 150
 
+The full sweep of the windowed-reuse issue (9 depths, 4 keys, the weights as ninfer-serve runs them), resumable:
+
+    python scripts/needle_reuse_sweep.py --depths 0.1 0.2 0.3 0.4 0.5 0.6 0.7 0.8 0.9 \
+        --keys 71432 50917 28461 93105 --out sweep.md
+
 For each depth d and key k the prompt is a filler text with the key sentence at depth d and a question at the end.
 It is sent (1) to the full cache, (2) cold to a windowed engine (--kv-window 512, no prefix reuse) and (3) to a
 windowed engine with prefix reuse, right after a prompt with the same filler and another key at depth d - 0.3 (or
 d + 0.3), which shares the filler up to that key. One row per (retrieve, depth, key): the greedy answers, whether
-each holds the key, and the tokens the warm request reused."""
+each holds the key, and the tokens the warm request reused. With --out, rows are appended to that file as they
+finish and rows already in it are skipped, so a stopped sweep resumes where it was."""
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 from engine.build import build_engine
 from engine.engine import Engine
@@ -52,30 +59,47 @@ def main() -> None:
     ap.add_argument("--retrieve", type=int, nargs="+", default=[512, 1024])
     ap.add_argument("--filler", type=int, default=150, help="filler sentences (150: ~3,700 tokens)")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--weight-dtype", default="auto", help="as ninfer-serve's --weight-dtype (auto: what it runs)")
+    ap.add_argument("--out", type=Path, default=None, help="append the rows to this Markdown file; skip rows in it")
     args = ap.parse_args()
 
-    loaded = build_engine(None, max_concurrency=1, max_context=2048, weight_dtype="fp32")
+    loaded = build_engine(None, max_concurrency=1, max_context=2048, weight_dtype=args.weight_dtype)
     model, tok, kv_dtype = loaded.engine.runner.model, loaded.tokenizer, loaded.engine.runner.kv.kv_dtype
     n = args.max_tokens
-    print("| retrieve | depth | key | full cache | cold | warm (reused tokens) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    header = ("| retrieve | depth | key | full cache | cold | warm (reused tokens) |\n"
+              "| --- | --- | --- | --- | --- | --- |\n")
+    done = args.out.read_text(encoding="utf-8") if args.out is not None and args.out.exists() else ""
+    if args.out is not None and not done:
+        args.out.write_text(header, encoding="utf-8")
+    print(header, end="", flush=True)
+    missed = rows = 0
     for depth in args.depths:
         other_depth = depth - 0.3 if depth >= 0.3 else depth + 0.3
         for key in args.keys:
+            todo = [r for r in args.retrieve if f"| {r} | {depth} | {key} |" not in done]
+            if not todo:
+                continue
             ids = tok.encode(prompt_text(key, depth, args.filler))
             other = tok.encode(prompt_text(str(99999 - int(key)), other_depth, args.filler))
             pages = -(-(len(ids) + n) // 64) + 1
             full, _ = answer(model, kv_dtype, [ids], n, num_pages=pages, max_shared_prefixes=0)
-            for retrieve in args.retrieve:
+            for retrieve in todo:
                 t0 = time.monotonic()
                 win = dict(kv_window=512, kv_retrieve=retrieve, num_pages=48, host_pages=2 * pages)
                 cold, _ = answer(model, kv_dtype, [ids], n, max_shared_prefixes=0, **win)
                 warm, stats = answer(model, kv_dtype, [other, ids], n, max_shared_prefixes=4, **win)
-                cells = [f"{'found' if key in tok.decode(out) else 'MISSED'}: {tok.decode(out).strip()!r}"
-                         for out in (full, cold, warm)]
-                print(f"| {retrieve} | {depth} | {key} | {cells[0]} | {cells[1]} | {cells[2]} ({stats['reused']}) |"
-                      f"  <!-- {len(ids)} tokens, {time.monotonic() - t0:.0f} s -->", flush=True)
-
+                found = [key in tok.decode(out) for out in (full, cold, warm)]
+                cells = [f"{'found' if hit else 'MISSED'}: {tok.decode(out).strip()!r}"
+                         for hit, out in zip(found, (full, cold, warm))]
+                rows += 1
+                missed += (found[0] or found[1]) and not found[2]
+                line = (f"| {retrieve} | {depth} | {key} | {cells[0]} | {cells[1]} | {cells[2]} ({stats['reused']}) |"
+                        f"  <!-- {len(ids)} tokens, {time.monotonic() - t0:.0f} s -->\n")
+                print(line, end="", flush=True)
+                if args.out is not None:
+                    with args.out.open("a", encoding="utf-8") as f:
+                        f.write(line)
+    print(f"{rows} rows run; warm requests that missed a key the full cache or the cold request found: {missed}")
 
 if __name__ == "__main__":
     main()
