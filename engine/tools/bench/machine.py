@@ -38,7 +38,8 @@ class LoadMeter:
 
     def __exit__(self, *exc):
         busy, own, t0 = self._start
-        other = (self._busy(psutil.cpu_times()) - busy) - (self._own() - own)
+        self.own_seconds = self._own() - own  # CPU time of the benchmark itself and its finished children
+        other = (self._busy(psutil.cpu_times()) - busy) - self.own_seconds
         self.cores = max(other, 0.0) / (time.perf_counter() - t0)
 
     @staticmethod
