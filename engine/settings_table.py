@@ -248,12 +248,10 @@ SETTINGS: tuple[Setting, ...] = (
         _s("cuda_graphs", str, "auto", "Replay decoding steps as CUDA graphs (one per batch size) to cut kernel-launch "
            "overhead; auto: on when the model runs on a CUDA GPU with Triton; on is refused elsewhere.",
            choices=("auto", "on", "off")),
-        _s("cpu_compile", str, "auto", "On the CPU, compile with torch.compile the output layer of a low-bit model "
-           "(float32 logits read from the file's 8-bit codes, about 4x fewer bytes per token than a float32 layer) "
-           "and, for a Gated-DeltaNet hybrid, its GDN layers' decode step of one sequence (dozens of small operations "
-           "as one kernel). Needs a C++ compiler the first time (cached after); without one each falls back, with a "
-           "warning, to its uncompiled form (the same results, slower). off: neither is compiled.",
-           choices=("auto", "off")),
+        _s("cpu_compile", str, "auto", "On the CPU, compile the output layer of a low-bit model with torch.compile: "
+           "float32 logits read from the file's 8-bit codes, about 4x fewer bytes per token than a float32 layer. "
+           "Needs a C++ compiler the first time (cached after); without one it falls back, with a warning, to the "
+           "float32 layer (the same logits, slower). off: always the float32 layer.", choices=("auto", "off")),
         _s("prefill_cublas", bool, False, "While reading the prompt, low-bit weights are unpacked into a shared buffer "
            "and multiplied as dense matrices (cuBLAS on a GPU, about 1.4x faster prompt reading on the CPU); "
            "generating keeps the low-bit kernels."),

@@ -7,16 +7,11 @@ float32; the gated delta rule (kernels.dispatch gdn_chunked over a prompt, gdn_r
 of many sequences at once, over their state slots; Triton on CUDA, the PyTorch twins elsewhere); a gated
 RMSNorm (plain weight) times silu(z); out_proj. Then the gated MLP, as in the attention layers.
 
-On the CPU, a decode step of one sequence runs everything between the two projections as one compiled kernel
-(kernels/gdn_cpu.py, --cpu-compile auto), where it builds and the model is large enough for it to pay.
-
 The delta-rule state may be stored in fp16 (--gdn-state-fp16): it is read into fp32, updated in fp32 and rounded
 when stored (once per step, and at a snapshot's page boundary, so a sequence resumed from the snapshot continues
 exactly as the run that saved it); the read-out stays fp32 up to the gated norm (an fp16 read-out overflows on long
 prompts in other engines)."""
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +19,9 @@ import torch.nn.functional as F
 from engine.memory.specs import RecurrentSpec, StateTensor
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
-from engine.model.head import use_project_cache
 from engine.model.layers import rms_norm, silu_and_mul
 from engine.model.linear import Linear, fuse
 from kernels import dispatch
-from kernels.gdn_cpu import GDNDecode, GDNDims
-
-log = logging.getLogger("ninfer.model")
-
-# smaller GDN layers stay eager: a toy model's step is fast anyway, and the compile costs seconds at its first load
-COMPILE_MIN_WEIGHTS = 1 << 18  # of in_proj_z (value_dim x hidden): 512 x 512 qualifies
 
 
 def gdn_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -46,30 +34,9 @@ def gdn_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
             a + "A_log": (n.num_v_heads,), a + "norm.weight": (n.head_v_dim,), a + "out_proj.weight": (h, n.value_dim)}
 
 
-def compiled_gdn_step(cfg: ModelConfig, dtype: torch.dtype, state_dtype: str, device: torch.device,
-                      cpu_compile: str) -> GDNDecode | None:
-    """The compiled single-sequence decode step for this model's GDN layers (kernels/gdn_cpu.py), or None: not on
-    the CPU, --cpu-compile off, a small model, Triton running the kernels, or a build that failed (said once)."""
-    n = cfg.linear
-    if (device.type != "cpu" or cpu_compile == "off" or dispatch.use_triton(device)
-            or n.value_dim * cfg.hidden_size < COMPILE_MIN_WEIGHTS):
-        return None
-    use_project_cache()
-    dims = GDNDims(n.num_k_heads, n.num_v_heads, n.head_k_dim, n.head_v_dim, n.conv_kernel)
-    step, why = GDNDecode.build(dims, dtype, dtype, getattr(torch, state_dtype), cfg.rms_eps)
-    if step is None:
-        log.warning("GDN layers: the compiled CPU decode step is not available (%s); they decode eagerly instead "
-                    "(the same results, slower). Install a C++ compiler (g++ or clang) to enable it, or set "
-                    "--cpu-compile off to skip trying.", why)
-    else:
-        log.info("GDN layers: one sequence's decode step runs as one compiled CPU kernel")
-    return step
-
-
 class GDNLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, activation_dtype: str,
-                 state_dtype: str = "float32", compiled_step: GDNDecode | None = None):
-        """`compiled_step`: the single-sequence decode step as one compiled CPU kernel (compiled_gdn_step), or None."""
+                 state_dtype: str = "float32"):
         n, a = cfg.linear, prefix + "linear_attn."
         self.cfg, self.n = cfg, n
         self.input_norm, self.post_norm = w[prefix + "input_layernorm.weight"], w[prefix + "post_attention_layernorm.weight"]
@@ -83,7 +50,6 @@ class GDNLayer:
         self.out = Linear(w[a + "out_proj.weight"])
         self.gate_up = Linear(fuse([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]]))
         self.down = Linear(w[prefix + "mlp.down_proj.weight"])
-        self.compiled_step = compiled_step
         self.cache_spec = RecurrentSpec((StateTensor("conv", (n.conv_dim, n.conv_kernel - 1), activation_dtype),
                                          StateTensor("ssm", (n.num_v_heads, n.head_k_dim, n.head_v_dim), state_dtype)))
 
@@ -93,24 +59,18 @@ class GDNLayer:
         residual = x if residual is None else residual + x
         h = rms_norm(residual, self.input_norm, cfg.rms_eps)
         proj = self.in_proj(h)
-        state = batch.state.layers[ordinal]
-        if self.compiled_step is not None and batch.decode is not None and proj.shape[0] == 1:
-            o = self.compiled_step(proj, self.conv, state["conv"], state["ssm"], batch.decode.state_slots,
-                                   self.neg_a, self.dt_bias, self.norm)
-            return self._mlp(residual + self.out(o))
         qkv, z, b, a = proj.split([n.conv_dim, n.value_dim, n.num_v_heads, n.num_v_heads], dim=-1)
         beta = b.float().sigmoid()
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        state = batch.state.layers[ordinal]
         if batch.decode is not None:  # a static decode step: one token per row, slots from the table
             mixed = self._decode(qkv, g, beta, state, batch.decode.state_slots)
         else:
             mixed = self._eager(qkv, g, beta, state, batch, ordinal)
         o = rms_norm(mixed.view(-1, n.num_v_heads, n.head_v_dim), self.norm, cfg.rms_eps)
         o = (o * F.silu(z.float().view_as(o))).reshape(-1, n.value_dim).to(x.dtype)
-        return self._mlp(residual + self.out(o))
-
-    def _mlp(self, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = rms_norm(residual, self.post_norm, self.cfg.rms_eps)
+        residual = residual + self.out(o)
+        h = rms_norm(residual, self.post_norm, cfg.rms_eps)
         return self.down(silu_and_mul(self.gate_up(h))), residual
 
     def _eager(self, qkv, g, beta, state, batch: ForwardBatch, ordinal: int) -> torch.Tensor:

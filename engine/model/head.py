@@ -51,7 +51,7 @@ def output_layer(weight: Weight, dtype: torch.dtype, device: torch.device, cpu_c
     if cpu_compile == "off" or weight.out_features * weight.in_features < COMPILE_MIN_WEIGHTS:
         return Linear(dequantize(weight, torch.float32).to(dtype))
     codes = _int8_codes(weight)
-    use_project_cache()
+    _use_project_cache()
     why = cpu_compiled.ready(codes)
     if why is not None:
         log.warning("output layer: the compiled CPU kernel is not available (%s); it runs dense float32 instead "
@@ -72,7 +72,7 @@ def _int8_codes(qw: QuantizedWeight) -> QuantizedWeight:
     return QuantizedWeight("int8", qw.qweight.contiguous(), qw.scales.float(), mins, qw.group_size, qw.shape)
 
 
-def use_project_cache() -> None:
+def _use_project_cache() -> None:
     """Inductor's compiled artifacts go to $NINFER_HOME/cache/inductor, else to the user's cache folder (kept across
     starts and reboots, so a restart loads instead of compiling); TORCHINDUCTOR_CACHE_DIR, where set, wins."""
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):

@@ -69,7 +69,6 @@ class LlamaModel:
         cpu_compile: --cpu-compile (engine/model/head.py)."""
         cfg = self.cfg = weights.config
         self.dtype, self.device, self.weight_format = dtype, device, weight_format or str(dtype).split(".")[-1]
-        self.cpu_compile = cpu_compile
         w = {name: convert(name, t, weight_format, dtype, device, keep_native)
              for name, t in weights.tensors.items() if name != "rope_freqs"}
         self.embed = w["model.embed_tokens.weight"]

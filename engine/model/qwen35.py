@@ -12,7 +12,7 @@ import torch
 from engine.memory.specs import AttentionSpec
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
-from engine.model.gdn import GDNLayer, compiled_gdn_step, gdn_shapes
+from engine.model.gdn import GDNLayer, gdn_shapes
 from engine.model.layers import Rotary, paged_attention, rms_norm, silu_and_mul
 from engine.model.linear import Linear, fuse
 from engine.model.llama import LlamaModel
@@ -87,9 +87,7 @@ class Qwen35Model(LlamaModel):
 
     def make_layer(self, kind: str, cfg: ModelConfig, w: dict, prefix: str):
         if kind == "recurrent":
-            if not hasattr(self, "gdn_step"):  # one compiled decode step for every GDN layer (they share a shape)
-                self.gdn_step = compiled_gdn_step(cfg, self.dtype, self.state_dtype, self.device, self.cpu_compile)
-            return GDNLayer(cfg, w, prefix, str(self.dtype).removeprefix("torch."), self.state_dtype, self.gdn_step)
+            return GDNLayer(cfg, w, prefix, str(self.dtype).removeprefix("torch."), self.state_dtype)
         return GatedAttentionLayer(cfg, w, prefix)
 
     # ---- MTP (engine/spec/mtp.py): as vLLM's Qwen3.5 MTP, every norm of the block is zero-centred (1 + w), and it
