@@ -11,7 +11,7 @@ The full sweep of the windowed-reuse issue (9 depths, 4 keys, the weights as nin
 For each depth d and key k the prompt is a filler text with the key sentence at depth d and a question at the end.
 It is sent (1) to the full cache, (2) cold to a windowed engine (--kv-window 512, no prefix reuse) and (3) to a
 windowed engine with prefix reuse, right after a prompt with the same filler and another key at depth d - 0.3 (or
-d + 0.3), which shares the filler up to that key. One row per (retrieve, depth, key): the greedy answers, whether
+d + 0.3 where d - 0.3 < 0.1), which shares the filler up to the nearer key. One row per (retrieve, depth, key): the greedy answers, whether
 each holds the key, and the tokens the warm request reused. With --out, rows are appended to that file as they
 finish and rows already in it are skipped, so a stopped sweep resumes where it was."""
 from __future__ import annotations
@@ -74,7 +74,8 @@ def main() -> None:
     print(header, end="", flush=True)
     missed = rows = 0
     for depth in args.depths:
-        other_depth = depth - 0.3 if depth >= 0.3 else depth + 0.3
+        # the other key 0.3 earlier where that leaves it past the head (so the prompts share some filler), else later
+        other_depth = round(depth - 0.3, 2) if depth - 0.3 >= 0.1 else round(depth + 0.3, 2)
         for key in args.keys:
             todo = [r for r in args.retrieve if f"| {r} | {depth} | {key} |" not in done]
             if not todo:
