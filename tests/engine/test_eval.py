@@ -127,6 +127,11 @@ def test_usage_errors_name_the_problem(tiny, capsys):
     assert "Cannot reach http://127.0.0.1:9/v1/models" in capsys.readouterr().err
     assert cli.main(["kld", str(folder), "--text", str(text), "--ctx", "8"]) == 1
     assert "--ctx" in capsys.readouterr().err
+    # a segment as long as the whole context: refused in the check's own words, with the --ctx that fits
+    assert cli.main(["kld", str(folder), "--text", str(text), "--ctx", "256", "--max-context", "256", "--device",
+                     "cpu", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "--ctx 256 makes segments of 256 tokens" in err and "Use --ctx 255 or less" in err
 
 
 def test_text_names_a_bundled_text_or_a_file(tiny, tmp_path, capsys):

@@ -187,6 +187,13 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
             candidate = EngineTarget(settings, NO_PREFIX_REUSE)
         reference = None
         try:
+            longest = max(len(segs[i]) for i in todo)
+            window = getattr(candidate, "context_window", None)
+            if window is not None and longest >= window:  # the engine keeps one token of the context free
+                raise NInferError(f"--ctx {args.ctx} makes segments of {longest} tokens, but the engine's context "
+                                  f"holds {window} and a segment must leave one token of it free.",
+                                  f"Use --ctx {window - 1} or less (or raise --max-context / --kv-capacity where "
+                                  "the model and memory allow).")
             info["candidate"] = candidate.describe()
             for i in progress(todo, desc="kld", unit="segment"):
                 ref_logits = _cached(args.ref_logits, ref_key, i)
