@@ -11,9 +11,9 @@ The full sweep of the windowed-reuse issue (9 depths, 4 keys, the weights as nin
 For each depth d and key k the prompt is a filler text with the key sentence at depth d and a question at the end.
 It is sent (1) to the full cache, (2) cold to a windowed engine (--kv-window 512, no prefix reuse) and (3) to a
 windowed engine with prefix reuse, right after a prompt with the same filler and another key at depth d - 0.3 (or
-d + 0.3 where d - 0.3 < 0.1), which shares the filler up to the nearer key. One row per (retrieve, depth, key): the greedy answers, whether
-each holds the key, and the tokens the warm request reused. With --out, rows are appended to that file as they
-finish and rows already in it are skipped, so a stopped sweep resumes where it was."""
+d + 0.3 where d - 0.3 < 0.1), which shares the filler up to the nearer key. One row per (retrieve, depth, key):
+the greedy answers, whether each holds the key, and the tokens the warm request reused. With --out, rows are
+appended to that file as they finish and rows already in it are skipped, so a stopped sweep resumes where it was."""
 from __future__ import annotations
 
 import argparse
@@ -103,6 +103,7 @@ def main() -> None:
                         f.write(line)
     print(f"{rows} rows run; warm requests that missed a key the cold request found: {missed}; warm answers that "
           f"differ from the cold ones: {differ}")
+
 
 if __name__ == "__main__":
     main()

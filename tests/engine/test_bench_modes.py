@@ -178,10 +178,9 @@ def test_the_load_meter_does_not_count_the_benchmarks_own_child_process():
     """A peer measured in a child process (llama.cpp) is the benchmark's own work, not another process's load."""
     import subprocess
     import sys
+    import time
 
     from engine.tools.bench.machine import LoadMeter
-
-    import time
 
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0:\n    pass\n"
     with LoadMeter() as idle:  # whatever else this machine runs meanwhile (other tests, on a busy one)

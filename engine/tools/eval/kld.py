@@ -1,9 +1,10 @@
 """``ninfer-eval kld``: how far a configuration's next-token distributions are from a reference configuration's.
 
-The text (resources/eval/harbour.txt unless --text names another bundled text or a file) is cut into segments of --ctx tokens; each segment runs through
-both engines as one prompt, and at every position but the last the full-vocabulary distributions are compared:
-KL(reference || candidate) in nats, whether both put the same token first (top-1 agreement), and each one's
-negative log-likelihood of the text's actual next token (perplexity = exp of its mean). Every position of a segment
+The text (resources/eval/harbour.txt unless --text names another bundled text or a file) is cut into segments of
+--ctx tokens; each segment runs through both engines as one prompt, and at every position but the last the
+full-vocabulary distributions are compared: KL(reference || candidate) in nats, whether both put the same token
+first (top-1 agreement), and each one's negative log-likelihood of the text's actual next token (perplexity = exp
+of its mean). Every position of a segment
 is scored (a segment's early positions see little context, as in any chunked perplexity). One line per segment goes
 to the results file, with the per-position KL values, so mean and percentiles cover the whole text when resumed."""
 from __future__ import annotations
