@@ -1,6 +1,7 @@
 """Runs the model over scheduled work: builds the flat token batch and its page/slot metadata, returns logits."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -13,10 +14,13 @@ from engine.kv.table import PageTable
 from engine.memory.geometry import PAGE_SIZE, pads
 from engine.memory.state import SeqState, StatePool
 from engine.model.batch import ForwardBatch
+from engine.model.cpu_step import CompiledStep
 from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs
 from engine.model.interrupt import Interrupt
 from engine.model.linear import PREFILL_DENSE_ROWS, enable_dense_prefill
 from kernels import dispatch
+
+log = logging.getLogger("ninfer.model")
 
 
 @dataclass
@@ -34,7 +38,7 @@ class Work:
 class ModelRunner:
     def __init__(self, model, num_pages: int, kv_dtype: torch.dtype, page_size: int = PAGE_SIZE, host_pages: int = 0,
                  host_pinned: bool = True, prefill_cublas: bool = False, cuda_graphs: str = "off",
-                 static_decode: bool = False, state_slots: int = 0, max_batch: int = 0):
+                 static_decode: bool = False, state_slots: int = 0, max_batch: int = 0, cpu_step: bool = False):
         """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA;
         `prefill_cublas`: low-bit layers run chunks of PREFILL_DENSE_ROWS+ rows as dense matmuls (linear.DenseScratch);
         `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); every decode step
@@ -42,7 +46,8 @@ class ModelRunner:
         (power-of-two buckets, dummy rows, the page-table kernel's twin on the CPU): the tests of what graphs record;
         `state_slots`: recurrent-state slots (engine/memory/state.py), for a model with recurrent layers;
         `max_batch`: the most sequences a step runs (0: unknown); padded batches of more than 2 have dummy rows,
-        whose recurrent state steps in one more, scratch, slot.
+        whose recurrent state steps in one more, scratch, slot; `cpu_step` (--cpu-compile step): on the CPU, a decode
+        step of one sequence runs as one compiled graph (engine/model/cpu_step.py), where it compiles.
 
         The model's `cache_specs` (engine/memory/specs.py, one per layer) size the pools: the KV cache holds the
         attention layers (indexed by their ordinal among them), the state pool the recurrent ones."""
@@ -69,6 +74,17 @@ class ModelRunner:
         device = torch.device(model.device)
         row_views = device.type == "cpu" and not static_decode and not dispatch.use_triton(device)
         self.graphs = DecodeGraphs(self, num_pages, capture, padded=padded, row_views=row_views)
+        if cpu_step:
+            self.graphs.compiled = self._compiled_step(row_views)
+
+    def _compiled_step(self, row_views: bool) -> CompiledStep | None:
+        step = CompiledStep(self)
+        why = step.ready() if row_views else "the model does not run on the CPU's eager path (a GPU, or Triton)"
+        if why is None:
+            return step
+        log.warning("--cpu-compile step: decode steps are not compiled (%s); they run eagerly. Install a C++ compiler "
+                    "(g++ or clang) if it lacks one, or use --cpu-compile auto.", why)
+        return None
 
     def run(self, works: list[Work]) -> list[torch.Tensor | None]:
         """Each work's logits rows (None: none asked, or it was interrupted: a work whose `aborted` says so between

@@ -33,12 +33,16 @@ def _one_row(x: torch.Tensor, c: torch.Tensor, d: torch.Tensor, m: torch.Tensor 
 _compiled = None
 
 
+def raise_recompile_limit() -> None:
+    """One compiled entry per weight shape (output layers of models loaded one after another, a draft model's) or
+    per model (engine/model/cpu_step.py): past dynamo's limit (8 by default) it would run eagerly, correct but slow."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+
 def _kernel():
     global _compiled
     if _compiled is None:
-        # one compiled entry per weight shape (output layers of models loaded one after another, a draft model's):
-        # past dynamo's limit (8 by default) it would run the expression eagerly, correct but slow
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        raise_recompile_limit()
         _compiled = torch.compile(_one_row, dynamic=False, fullgraph=True)
     return _compiled
 
@@ -64,9 +68,15 @@ def ready(qw: QuantizedWeight) -> str | None:
         if y.shape != (1, qw.out_features) or not bool(torch.isfinite(y).all()):
             return "the compiled kernel returned a wrong result"
     except Exception as e:  # no C++ compiler, a compiler error, an inductor limitation: the caller falls back
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and "TORCHDYNAMO_VERBOSE" not in ln]
-        return (lines[0] if lines else type(e).__name__)[:300]
+        return compile_error(e)
     return None
+
+
+def compile_error(e: BaseException) -> str:
+    """What went wrong in a compile, in one line: the backend's own error where dynamo wraps it."""
+    e = getattr(e, "inner_exception", None) or e
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and "TORCHDYNAMO_VERBOSE" not in ln]
+    return (lines[0] if lines else type(e).__name__)[:300]
 
 
 def exact_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:

@@ -100,6 +100,21 @@ class KVCache:
             return x if dtype is None or dtype == x.dtype else x.to(dtype)
         return quant.dequantize(rows(data), rows(scale), bits, dtype or torch.float32)
 
+    def span(self, layer: int, first_slot: int, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `length` consecutive flat slots from `first_slot` (a sequence on consecutive pages), each
+        [length, Hkv, D] in `dtype`: views of a float cache in that dtype, else dequantized (rotated K for rk*). Shapes
+        follow the two ints, so a compiled decode step reads any context length through one graph."""
+        fmt = self.format
+
+        def part(data, scale, bits):
+            rows = data.view(-1, *data.shape[2:])[first_slot:first_slot + length]
+            if scale is None:
+                return rows if rows.dtype == dtype else rows.to(dtype)
+            return quant.dequantize(rows, scale.view(-1, *scale.shape[2:])[first_slot:first_slot + length], bits, dtype)
+
+        return (part(self.k[layer], self.k_scale[layer] if fmt.k.quantized else None, fmt.k.bits),
+                part(self.v[layer], self.v_scale[layer] if fmt.v.quantized else None, fmt.v.bits))
+
     def gather_keys(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """K of whole pages, [len(pages) * page_size, Hkv, D] float32 (rotated basis for rk*)."""
         fmt = self.format

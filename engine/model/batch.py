@@ -45,6 +45,7 @@ class DecodeTable:
     ctx_lens: torch.Tensor  # int32 [B]: tokens each row attends to, its own included
     state_slots: torch.Tensor | None = None  # int64 [B]: each row's recurrent-state slot (models with recurrent layers)
     rows: list[SeqSlice] | None = None  # each real row's pages on the host, where attention reads them as views (CPU)
+    span: tuple[int, int] | None = None  # one row on consecutive pages: (first flat slot, tokens) (engine/model/cpu_step.py)
 
 
 @dataclass

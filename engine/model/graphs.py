@@ -15,7 +15,8 @@ Models with recurrent layers decode the same way: each row also names its state 
 scratch slot), and the recurrent layers step every row's state together; the state snapshots a step saves are copied
 after it, outside the graph.
 
-Everything else runs through the runner's general forward: prefill and mixed steps, speculative verification
+On the CPU with --cpu-compile step, a step of one sequence on consecutive pages runs as one compiled graph instead
+(engine/model/cpu_step.py). Everything else runs through the runner's general forward: prefill and mixed steps, speculative verification
 (several tokens per sequence), windowed (TieredPages) sequences, and steps while MTP reads hidden states; the
 unusual ones are logged once.
 """
@@ -92,6 +93,7 @@ class DecodeGraphs:
         self.entries: dict[tuple[int, int], _Static] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.steps = 0  # decode steps run through this path
+        self.compiled = None  # engine.model.cpu_step.CompiledStep, set by the runner for --cpu-compile step
         self._told: set[str] = set()
 
     # ---- which steps ------------------------------------------------------------------------------------------
@@ -213,6 +215,12 @@ class DecodeGraphs:
         if rotary is not None and top >= rotary.cos.shape[0]:  # grow the tables outside any graph, then recapture
             rotary._extend(top + 1)
             self.entries.clear()
+        if self.compiled is not None and len(works) == 1:  # one sequence: the compiled CPU step (cpu_step.py)
+            logits = self.compiled.run(works[0])
+            if logits is not None:
+                self.steps += 1
+                self._save_states(works)
+                return [logits]
         try:
             e = self._entry(size(len(works)), size(pages))
         except Exception as err:  # a capture that fails must not fail the requests: decode eagerly from now on
@@ -232,7 +240,10 @@ class DecodeGraphs:
             e.out = self._forward(e)
         e.runs += 1
         self.steps += 1
+        self._save_states(works)
+        return [e.out[i:i + 1].clone() for i in range(len(works))]
+
+    def _save_states(self, works) -> None:
         for w in works:  # state snapshots this step saves: the state after its one token
             for _, snap in w.state.saves if w.state is not None else ():
                 self.state.store(w.state.slot, snap)
-        return [e.out[i:i + 1].clone() for i in range(len(works))]

@@ -124,6 +124,10 @@ def static_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, la
     cache, table = batch.kv, batch.decode
     cache.write(layer, batch.slots, k, v)
     q = cache.rotate_queries(q)
+    if table.span is not None:  # one row over its consecutive pages (the compiled CPU step): views of the cache
+        keys, values = cache.span(layer, *table.span, q.dtype)
+        return grouped_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), None,
+                                 scale).transpose(0, 1)
     if table.rows is None:
         return cache.decode_attention(layer, q, table.page_table, table.ctx_lens, scale)
     if len(table.rows) == 1:

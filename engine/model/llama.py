@@ -159,6 +159,14 @@ class LlamaModel:
         """Logits [rows, vocab] (float32) for batch.logit_rows, or for every token when it is None. `interrupt`
         (engine/model/interrupt.py): asked before each layer; the sequences it names leave the batch, and the logits
         are those of the remaining sequences' rows ([0, vocab] when none remains)."""
+        x = self.final_hidden(batch, interrupt)
+        if x is None:
+            return torch.empty(0, self.cfg.vocab_size, device=self.device)
+        return self.lm_head(x).float()
+
+    def final_hidden(self, batch: ForwardBatch, interrupt: Interrupt | None = None) -> torch.Tensor | None:
+        """The final norm's output for batch.logit_rows (every token when None): what the output layer reads; None
+        when `interrupt` took every sequence out. The compiled CPU decode step (engine/model/cpu_step.py) runs this."""
         x = embed_rows(self.embed, batch.input_ids).to(self.dtype)
         residual = None
         tables = self.rotary.tables(batch.positions, batch.max_position)
@@ -167,7 +175,7 @@ class LlamaModel:
             if cut is not None:
                 batch, rows = cut
                 if not batch.seqs:
-                    return torch.empty(0, self.cfg.vocab_size, device=self.device)
+                    return None
                 x, residual = x.index_select(0, rows), None if residual is None else residual.index_select(0, rows)
                 tables = self.rotary.tables(batch.positions, batch.max_position)
             x, residual = layer.forward(x, residual, ordinal, batch, self.rotary, tables)
@@ -176,4 +184,4 @@ class LlamaModel:
             self.hidden = x
         if batch.logit_rows is not None:
             x = x.index_select(0, batch.logit_rows)
-        return self.lm_head(rms_norm(x, self.norm, self.cfg.rms_eps)).float()
+        return rms_norm(x, self.norm, self.cfg.rms_eps)

@@ -60,8 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NInfer only: low-bit layers run prefill chunks as dense matmuls (--prefill-cublas true)")
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="NInfer only: decode steps replayed as CUDA graphs (auto: on with CUDA and Triton)")
-    p.add_argument("--cpu-compile", choices=("auto", "off"), default="auto",
-                   help="NInfer only: the CPU output layer of a low-bit model compiled (auto) or dense float32 (off)")
+    p.add_argument("--cpu-compile", choices=("auto", "step", "off"), default="auto",
+                   help="NInfer only: the CPU output layer of a low-bit model compiled (auto), and with it the whole "
+                        "decode step of one sequence as one graph (step), or dense float32 (off)")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="NInfer only: also profile N decode steps by ATen operator (torch.profiler)")
     p.add_argument("--via-api", action="store_true",
