@@ -82,8 +82,9 @@ class ModelRunner:
         why = step.ready() if row_views else "the model does not run on the CPU's eager path (a GPU, or Triton)"
         if why is None:
             return step
-        log.warning("--cpu-compile step: decode steps are not compiled (%s); they run eagerly. Install a C++ compiler "
-                    "(g++ or clang) if it lacks one, or use --cpu-compile auto.", why)
+        fix = ("install a C++ compiler (g++ or clang), or use --cpu-compile auto" if "compiler" in why.lower() else
+               "use --cpu-compile auto to skip the compile at start")
+        log.warning("--cpu-compile step: decode steps are not compiled (%s); they run eagerly: %s.", why, fix)
         return None
 
     def run(self, works: list[Work]) -> list[torch.Tensor | None]:

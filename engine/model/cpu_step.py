@@ -58,11 +58,16 @@ class CompiledStep:
         # the model's float constants (norm eps, attention scale) stay constants: as symbols they make dynamo
         # trace the whole step twice
         torch._dynamo.config.specialize_float = True
-        self._fn = torch.compile(self.model.final_hidden, backend=self._backend, dynamic=True, fullgraph=True)
+        compiled = torch.compile(self.model.final_hidden, backend=self._backend, dynamic=True, fullgraph=True)
         slot = self.state.allocate() if self.state is not None else None
         first = WARM_UP_PAGE * self.page_size
         t0 = time.perf_counter()
         try:
+            # one eager step first: the layers fill their lazy caches (a low-bit weight's kernel choice) on a first
+            # call, and a graph traced before them would be traced again on the next step
+            self._fn = self.model.final_hidden
+            self._hidden(0, 2, first, slot)
+            self._fn = compiled
             for ctx in (3, 4):  # positions of 0 or 1 would be specialized; the second call checks the graph is reused
                 self._hidden(0, ctx - 1, first, slot)
         except Exception as e:  # no C++ compiler, a compiler error, an inductor limitation: decode eagerly
