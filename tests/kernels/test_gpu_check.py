@@ -116,3 +116,33 @@ def test_the_script_runs_with_only_torch_triton_and_numpy(tmp_path):
                          env=dict(os.environ, HF_HUB_OFFLINE="1"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| GEMV |" in run.stdout and (tmp_path / "gpu_check.json").exists()
+
+
+def test_the_kernel_tests_it_runs_import_only_torch_triton_numpy_and_pytest():
+    """The kernel test files the check runs on the GPU machine are collected (every module imported) with every
+    other dependency of the project made unimportable."""
+    blocked = set(NOT_NEEDED)
+    code = ("import importlib.abc, sys\n"
+            f"BLOCKED = {blocked!r}\n"
+            "class Blocked(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in BLOCKED:\n"
+            "            raise ImportError(f'{name} is blocked: the GPU check must run without it')\n"
+            "sys.meta_path.insert(0, Blocked())\n"
+            "import pytest\n"
+            f"args = ['--collect-only', '-q', '-p', 'no:cacheprovider', *{list(gpu_check.KERNEL_TESTS)!r}]\n"
+            "sys.exit(pytest.main(args))\n")
+    # pytest's plugins installed here (pytest-qt imports PySide6) are not on the GPU machine
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert re.search(r"\d{2,} tests collected", run.stdout), run.stdout[-500:]
+
+
+def test_the_kernel_test_summary_is_pytests_closing_count():
+    assert gpu_check.pytest_summary("....\n12 passed, 1 skipped in 3.41s\n") == "12 passed, 1 skipped in 3.41s"
+    assert gpu_check.pytest_summary("F.\n===== 1 failed, 1 passed in 0.20s =====\n") == "1 failed, 1 passed in 0.20s"
+    collect_error = "ERROR tests/kernels/test_quant.py\n!!! Interrupted: 1 error during collection !!!\n" \
+                    "1 error in 0.65s\n"
+    assert gpu_check.pytest_summary(collect_error) == "1 error in 0.65s"
+    assert gpu_check.pytest_summary("") == "no output"

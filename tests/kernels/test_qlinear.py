@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels.qlinear import dequantize_to, qlinear
-from kernels.quant import dequantize, from_gguf_q4_1, quantize
+from kernels.quant import dequantize, quantize
 from kernels.reference import quant_linear_ref
 from tests.kernels.tolerances import assert_close
 
@@ -46,15 +46,6 @@ def test_prefill_tiles_and_leading_dims(dtype):
     y = qlinear(x, qw, bias)
     assert y.shape == (3, 47, 80)
     assert_close(y, quant_linear_ref(x, qw, bias), what="prefill")
-
-
-def test_gguf_weight_through_the_kernel():
-    from gguf import GGMLQuantizationType, quants
-    w = torch.randn(48, 256).numpy()
-    raw = torch.from_numpy(quants.quantize(w, GGMLQuantizationType.Q4_1))
-    qw = from_gguf_q4_1(raw, (48, 256))
-    x = torch.randn(4, 256)
-    assert_close(qlinear(x, qw), quant_linear_ref(x, qw), what="Q4_1")
 
 
 @pytest.mark.parametrize("fmt,group", WEIGHTS, ids=[f"{f}-g{g}" for f, g in WEIGHTS])
