@@ -73,6 +73,19 @@ def test_bench_compare_transformers_tiny_folder(tmp_path, capsys):
     assert "transformers" in text and "greedy outputs agree" in text
     row = next(line for line in text.splitlines() if line.startswith("| decode tok/s"))
     assert row.count("-") == 0  # both columns and the ratio are filled
+    assert result["machine"]["decode steps"] == "10 through the static forward"  # 2 runs (warm-up + 1) x 5 steps
+
+
+def test_bench_says_its_decode_steps_ran_as_the_compiled_step(tmp_path, capsys):
+    """--cpu-compile step: the table says how many decode steps the compiled graph ran (all of them here), so a
+    run where it fell back to eager cannot pass for a measurement of it."""
+    folder = _tiny_llama_folder(tmp_path / "tiny")
+    out = tmp_path / "bench.json"
+    assert main([str(folder), "--prompt-tokens", "24", "--gen-tokens", "6", "--repeat", "1", "--threads", "1",
+                 "--device", "cpu", "--compare", "none", "--cpu-compile", "step", "--json", str(out)]) == 0
+    steps = json.loads(out.read_text())["machine"]["decode steps"]
+    assert steps == "10, 10 of them as one compiled graph (--cpu-compile step)"
+    assert steps in capsys.readouterr().out
 
 
 def test_helpers():

@@ -145,6 +145,7 @@ def _run(args, command: str) -> int:
                 ratio = ratios(ours, theirs)
     facts = machine_facts(loaded, threads)
     facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
+    facts["decode steps"] = decode_path(loaded.engine.runner)
     command = command.strip()
     print(format_table(facts, ours, theirs, ratio, command, peer=args.compare))
     if args.via_api:
@@ -162,6 +163,15 @@ def _run(args, command: str) -> int:
                       **({"peer_error": peer_error} if peer_error else {}))
         args.json.write_text(json.dumps(result, indent=2))
     return 1 if peer_error else 0
+
+
+def decode_path(runner) -> str:
+    """How NInfer's decode steps ran: CUDA graphs, the static forward, or (--cpu-compile step) the compiled step."""
+    graphs = runner.graphs
+    path = "replayed as CUDA graphs" if graphs.capture else "through the static forward"
+    if graphs.compiled is None:
+        return f"{graphs.steps} {path}"
+    return f"{graphs.steps}, {graphs.compiled.steps} of them as one compiled graph (--cpu-compile step)"
 
 
 def _run_warm_prefix(args, loaded, command: str) -> int:
