@@ -252,7 +252,8 @@ SETTINGS: tuple[Setting, ...] = (
            "float32 logits read from the file's 8-bit codes, about 4x fewer bytes per token than a float32 layer. "
            "Needs a C++ compiler the first time (cached after); without one it falls back, with a warning, to the "
            "float32 layer (the same logits, slower). step: also compile the whole decode step of one sequence into "
-           "one graph (faster decoding; a minute or more to compile at each start). off: always the float32 layer.",
+           "one graph (faster decoding; about a minute to compile the first time, some 10 s at later starts). "
+           "off: always the float32 layer.",
            choices=("auto", "step", "off")),
         _s("prefill_cublas", bool, False, "While reading the prompt, low-bit weights are unpacked into a shared buffer "
            "and multiplied as dense matrices (cuBLAS on a GPU, about 1.4x faster prompt reading on the CPU); "

@@ -8,7 +8,7 @@ the GEMVs. The output layer keeps its own kernel (engine/model/head.py), called 
 One graph serves every context length and every sequence: the step's row reads its K/V as one view of the cache
 from its first flat slot (`DecodeTable.span`), and both ints are symbolic in the graph. Steps it does not take go
 through the runner's static forward as before: more than one sequence, or a sequence whose pages are not
-consecutive. The first compile takes a minute or more on two cores (inductor caches its part on disk, so later
+consecutive. The first compile takes about a minute on two cores (inductor caches its part on disk, so later
 starts pay less); a machine where it fails (no C++ compiler, an inductor limitation) decodes eagerly, with one
 log line saying why.
 """
@@ -90,7 +90,8 @@ class CompiledStep:
     def _hidden(self, token: int, position: int, first_slot: int, state_slot: int | None) -> torch.Tensor:
         dev = self.runner.device
         slots = None if state_slot is None else torch.tensor([state_slot], device=dev)
-        batch = ForwardBatch(input_ids=torch.tensor([token], device=dev), positions=torch.tensor([position], device=dev),
+        batch = ForwardBatch(input_ids=torch.tensor([token], device=dev),
+                             positions=torch.tensor([position], device=dev),
                              slots=torch.tensor([first_slot + position], device=dev), seqs=[], kv=self.kv,
                              state=self.state, logit_rows=None, max_position=position,
                              decode=DecodeTable(None, None, slots, span=(first_slot, position + 1)))

@@ -16,9 +16,9 @@ scratch slot), and the recurrent layers step every row's state together; the sta
 after it, outside the graph.
 
 On the CPU with --cpu-compile step, a step of one sequence on consecutive pages runs as one compiled graph instead
-(engine/model/cpu_step.py). Everything else runs through the runner's general forward: prefill and mixed steps, speculative verification
-(several tokens per sequence), windowed (TieredPages) sequences, and steps while MTP reads hidden states; the
-unusual ones are logged once.
+(engine/model/cpu_step.py). Everything else runs through the runner's general forward: prefill and mixed steps,
+speculative verification (several tokens per sequence), windowed (TieredPages) sequences, and steps while MTP reads
+hidden states; the unusual ones are logged once.
 """
 from __future__ import annotations
 

@@ -101,7 +101,8 @@ def _run(args, command: str) -> int:
                               max_context=args.max_context or (4096 if args.spec else 0),
                               max_shared_prefixes="auto" if args.warm_prefix else 0,  # else: every run prefills
                               kv_window=args.kv_window, kv_retrieve=args.kv_retrieve, host_kv_mib=args.host_kv_mib,
-                              prefill_cublas=args.prefill_cublas, cuda_graphs=args.cuda_graphs, cpu_compile=args.cpu_compile, **spec)
+                              prefill_cublas=args.prefill_cublas, cuda_graphs=args.cuda_graphs,
+                              cpu_compile=args.cpu_compile, **spec)
     except NInferError as err:
         print(f"ninfer-bench: {err}", file=sys.stderr)
         return 1
