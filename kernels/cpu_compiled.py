@@ -8,12 +8,15 @@ loop nest per expression; it needs a C++ compiler at the first compile, and reus
   (about 4x fewer bytes than a float32 weight); more rows dequantize blocks of the weight and multiply them.
 
 `ready(qw)` compiles and runs the kernel once for this weight's shape and says whether it works; callers keep a float32
-weight instead where it does not (no compiler, a compile error).
+weight instead where it does not (no compiler, a compile error). Where the C++ kernel of kernels/cpu_native.py builds,
+it takes the rows instead of the compiled one-row loop (the same products, several times faster on CPUs without
+AVX-512), and nothing is compiled here.
 """
 from __future__ import annotations
 
 import torch
 
+from kernels import cpu_native
 from kernels.quant import QuantizedWeight
 
 MAX_COMPILED_ROWS = 8  # up to this many rows: one compiled pass per row; more: dequantized blocks times all rows
@@ -61,14 +64,16 @@ def ready(qw: QuantizedWeight) -> str | None:
     """None when the compiled kernel runs for this weight (compiled now, or found in inductor's cache), else why not."""
     if not supported(qw):
         return f"{qw.format} weights with {qw.scales.dtype} scales are not taken (int8 with float32 scales only)"
+    native = cpu_native.supported(qw) and cpu_native.ready() is None
     try:
         with torch.inference_mode():
             x = torch.ones(1, qw.in_features)
-            y = _kernel()(x, *_operands(qw))
+            y = cpu_native.q8_linear(x, qw) if native else _kernel()(x, *_operands(qw))
         if y.shape != (1, qw.out_features) or not bool(torch.isfinite(y).all()):
             return "the compiled kernel returned a wrong result"
     except Exception as e:  # no C++ compiler, a compiler error, an inductor limitation: the caller falls back
         return compile_error(e)
+    qw.cache["native"] = native
     return None
 
 
@@ -85,6 +90,8 @@ def exact_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     rows = x.shape[0]
     if rows == 0:
         return x.new_empty(0, qw.out_features)
+    if rows <= MAX_COMPILED_ROWS and qw.cache.get("native"):
+        return cpu_native.q8_linear(x, qw)
     if rows <= MAX_COMPILED_ROWS:
         with torch.inference_mode():  # the mode it was compiled in (another would compile it again)
             if rows == 1:

@@ -1,11 +1,12 @@
 """The layers over the vocabulary: the embedding lookup and the output layer (final hidden state -> logits).
 
 A low-bit embedding (kept as the file's codes on the CPU, linear.convert) is decoded row by row as it is looked up:
-the same values as a float32 table, without holding one. The output layer: on the CPU its logits are float32 products of exactly the weights
-the file gives: a low-bit output layer (a GGUF file's Q8_0 tied embedding, a Q6_K `output.weight`) is held as int8
-codes, which hold every such format exactly, and runs through the compiled kernel of kernels/cpu_compiled.py; where
-that kernel cannot be built (no C++ compiler) or --cpu-compile is off, the layer is dense float32 instead: the same
-logits, about 4x the bytes read per token. Elsewhere it is a Linear like the others."""
+the same values as a float32 table, without holding one. The output layer: on the CPU its logits are float32
+products of exactly the weights the file gives: a low-bit output layer (a GGUF file's Q8_0 tied embedding, a Q6_K
+`output.weight`) is held as int8 codes, which hold every such format exactly, and runs through the C++ kernel of
+kernels/cpu_native.py, or where that does not build, the compiled kernel of kernels/cpu_compiled.py; where neither
+can be built (no C++ compiler) or --cpu-compile is off, the layer is dense float32 instead: the same logits, about
+4x the bytes read per token. Elsewhere it is a Linear like the others."""
 from __future__ import annotations
 
 import logging
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.linear import Linear, Weight
-from kernels import cpu_compiled
+from kernels import cpu_compiled, cpu_native
 from kernels.quant import QuantizedWeight, as_int8, dequantize
 
 log = logging.getLogger("ninfer.model")
@@ -59,8 +60,10 @@ def output_layer(weight: Weight, dtype: torch.dtype, device: torch.device, cpu_c
                     "clang) to enable it, or set --cpu-compile off to skip trying.", why, dense_mib,
                     codes.nbytes / 2**20)
         return Linear(dequantize(weight, torch.float32).to(dtype))
-    log.info("output layer: %s held as int8 codes, float32 logits through the compiled CPU kernel "
-             "(%.0f MiB read per token instead of %.0f dense)", weight.format, codes.nbytes / 2**20, dense_mib)
+    kernel = ("the C++ CPU kernel" if codes.cache.get("native")
+              else f"the compiled CPU kernel (the C++ one is not available: {cpu_native.ready()})")
+    log.info("output layer: %s held as int8 codes, float32 logits through %s (%.0f MiB read per token instead of "
+             "%.0f dense)", weight.format, kernel, codes.nbytes / 2**20, dense_mib)
     return CompiledHead(codes)
 
 
@@ -68,8 +71,9 @@ def _int8_codes(qw: QuantizedWeight) -> QuantizedWeight:
     """The same weight as int8 codes with float32 scales (and mins where they are not all zero): exact."""
     if qw.format != "int8":
         qw = as_int8(qw, qw.group_size)
-    mins = None if qw.mins is None or not bool(qw.mins.any()) else qw.mins.float()
-    return QuantizedWeight("int8", qw.qweight.contiguous(), qw.scales.float(), mins, qw.group_size, qw.shape)
+    mins = None if qw.mins is None or not bool(qw.mins.any()) else qw.mins.float().contiguous()
+    return QuantizedWeight("int8", qw.qweight.contiguous(), qw.scales.float().contiguous(), mins, qw.group_size,
+                           qw.shape)
 
 
 def _use_project_cache() -> None:

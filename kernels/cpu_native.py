@@ -1,0 +1,89 @@
+"""A CPU kernel in C++ (kernels/cpu_native.cpp), built on first use for the machine it runs on.
+
+* `q8_linear(x, qw)`: y = x @ dequantize(qw).T in float32 for grouped int8 weights (codes c, float32 scales d and
+  optional mins m per group: w = c*d + m), reading the 1-byte codes once for up to four rows of x. Only the summation
+  order differs from a float32 matmul over the dequantized weight (its twin: `reference.quant_linear_ref` with float32
+  activations). With AVX2 and FMA it converts and multiplies 32 codes at a time; elsewhere plain loops are left to
+  the compiler.
+
+Why C++: inductor's code for the same expression (kernels/cpu_compiled.py) loads 8 codes at a time into a vector
+made for 32 and reduces every group horizontally; on a CPU without AVX-512 that reads the default model's output
+layer (49,152 x 576 codes) at about 1 GB/s, 10x slower than memory allows (docs/KERNELS.md).
+
+Built with torch's C++ extension builder (a C++ compiler and ninja) into the project's cache folder, named by a hash
+of the source and of the CPU's features, so a build made for another CPU is never loaded; a later start loads it in
+about a second. `ready()` says why where it cannot be built or loaded (callers fall back to the compiled kernel).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.quant import QuantizedWeight
+
+SOURCE = Path(__file__).with_name("cpu_native.cpp")
+FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict = {}  # "error": why the kernel is not available, once tried; "op": the loaded op
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build_dir() -> Path:
+    """Where the build goes: a folder per source and CPU, beside inductor's cache (engine/model/head.py sets
+    TORCHINDUCTOR_CACHE_DIR), else in $NINFER_HOME/cache or the user's cache folder."""
+    key = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS) + torch.__version__ + platform.machine()
+                          + _cpu_features()).encode()).hexdigest()[:16]
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        base = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent
+    elif os.environ.get("NINFER_HOME", "").strip():
+        base = Path(os.environ["NINFER_HOME"].strip()).expanduser() / "cache"
+    else:
+        from platformdirs import user_cache_dir
+        base = Path(user_cache_dir("ninfer", appauthor=False))
+    return base / "cpu_native" / key
+
+
+def ready() -> str | None:
+    """None once the kernel is loaded (built now, or loaded from an earlier build); else why it is not available."""
+    with _lock:
+        if "op" in _state or "error" in _state:
+            return _state.get("error")
+        if os.environ.get("NINFER_CPU_NATIVE", "1") == "0":
+            _state["error"] = "NINFER_CPU_NATIVE=0"
+            return _state["error"]
+        try:
+            from torch.utils.cpp_extension import load_inline
+            folder = build_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+            load_inline("ninfer_cpu", cpp_sources=[SOURCE.read_text()], is_python_module=False,
+                        extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder))
+            _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
+        except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            _state["error"] = f"the C++ kernel did not build: {(lines[0] if lines else type(e).__name__)[:300]}"
+        return _state.get("error")
+
+
+def supported(qw: QuantizedWeight) -> bool:
+    return (qw.format == "int8" and qw.qweight.dtype == torch.int8 and qw.scales.dtype == torch.float32
+            and qw.group_size % 32 == 0 and (qw.mins is None or qw.mins.dtype == torch.float32))
+
+
+def q8_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """[M, K] float32 -> [M, N] float32; `ready()` must have returned None and `supported(qw)` be true."""
+    return _state["op"](x, qw.qweight, qw.scales, qw.mins)
