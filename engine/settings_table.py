@@ -248,8 +248,9 @@ SETTINGS: tuple[Setting, ...] = (
         _s("cuda_graphs", str, "auto", "Replay decoding steps as CUDA graphs (one per batch size) to cut kernel-launch "
            "overhead; auto: on when the model runs on a CUDA GPU with Triton; on is refused elsewhere.",
            choices=("auto", "on", "off")),
-        _s("cpu_compile", str, "auto", "On the CPU, compile the output layer of a low-bit model with torch.compile: "
-           "float32 logits read from the file's 8-bit codes, about 4x fewer bytes per token than a float32 layer. "
+        _s("cpu_compile", str, "auto", "On the CPU, compile the output layer of a low-bit model (a C++ kernel built for "
+           "this CPU, else torch.compile): float32 logits read from the file's 8-bit codes, about 4x fewer bytes per "
+           "token than a float32 layer. "
            "Needs a C++ compiler the first time (cached after); without one it falls back, with a warning, to the "
            "float32 layer (the same logits, slower). step: also compile the whole decode step of one sequence into "
            "one graph (faster decoding; about a minute to compile the first time, some 10 s at later starts). "
