@@ -18,65 +18,66 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
-import threading
-from pathlib import Path
 
 import torch
 
 from kernels.quant import QuantizedWeight
 
-SOURCE = Path(__file__).with_name("cpu_native.cpp")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_native.cpp")
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
-_lock = threading.Lock()
 _state: dict = {}  # "error": why the kernel is not available, once tried; "op": the loaded op
 
 
 def _cpu_features() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
     except OSError:
         pass
-    return platform.processor()
+    return os.uname().machine
 
 
-def build_dir() -> Path:
-    """Where the build goes: a folder per source and CPU, beside inductor's cache (engine/model/head.py sets
-    TORCHINDUCTOR_CACHE_DIR), else in $NINFER_HOME/cache or the user's cache folder."""
-    key = hashlib.sha256((SOURCE.read_text() + " ".join(FLAGS) + torch.__version__ + platform.machine()
-                          + _cpu_features()).encode()).hexdigest()[:16]
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        base = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).parent
-    elif os.environ.get("NINFER_HOME", "").strip():
-        base = Path(os.environ["NINFER_HOME"].strip()).expanduser() / "cache"
-    else:
-        from platformdirs import user_cache_dir
-        base = Path(user_cache_dir("ninfer", appauthor=False))
-    return base / "cpu_native" / key
+def _source() -> str:
+    with open(SOURCE) as f:
+        return f.read()
+
+
+def build_dir() -> str | None:
+    """Where the build goes: a folder per source and CPU beside inductor's cache (engine/model/head.py points
+    TORCHINDUCTOR_CACHE_DIR into the project's cache), else None: torch's own extensions folder, under a name that
+    carries the same key."""
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return os.path.join(os.path.dirname(root), "cpu_native", build_key()) if root else None
+
+
+def build_key() -> str:
+    """A hash of the source, the flags, torch's version and the CPU's features: another CPU gets another build."""
+    text = _source() + " ".join(FLAGS) + torch.__version__ + _cpu_features()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def ready() -> str | None:
     """None once the kernel is loaded (built now, or loaded from an earlier build); else why it is not available."""
-    with _lock:
-        if "op" in _state or "error" in _state:
-            return _state.get("error")
-        if os.environ.get("NINFER_CPU_NATIVE", "1") == "0":
-            _state["error"] = "NINFER_CPU_NATIVE=0"
-            return _state["error"]
-        try:
-            from torch.utils.cpp_extension import load_inline
-            folder = build_dir()
-            folder.mkdir(parents=True, exist_ok=True)
-            load_inline("ninfer_cpu", cpp_sources=[SOURCE.read_text()], is_python_module=False,
-                        extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(folder))
-            _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
-        except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            _state["error"] = f"the C++ kernel did not build: {(lines[0] if lines else type(e).__name__)[:300]}"
+    if "op" in _state or "error" in _state:
         return _state.get("error")
+    if os.environ.get("NINFER_CPU_NATIVE", "1") == "0":
+        _state["error"] = "NINFER_CPU_NATIVE=0"
+        return _state["error"]
+    try:
+        from torch.utils.cpp_extension import load_inline
+        folder = build_dir()
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
+        load_inline(f"ninfer_cpu_{build_key()}", cpp_sources=[_source()], is_python_module=False, extra_cflags=FLAGS,
+                    extra_ldflags=["-fopenmp"], build_directory=folder)
+        _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
+    except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        _state["error"] = f"the C++ kernel did not build: {(lines[0] if lines else type(e).__name__)[:300]}"
+    return _state.get("error")
 
 
 def supported(qw: QuantizedWeight) -> bool:

@@ -119,7 +119,12 @@ def started(qapp, qloop, app_home):
     form.set_value("port", port)
     form.set_value("max_context", 1024)
     form.set_value("max_concurrency", 2)
-    wait_until(launcher.start_button.isEnabled, timeout=120_000)
+    try:  # the hardware probe and the model's check run in threads: slow on a busy 2-CPU machine
+        wait_until(launcher.start_button.isEnabled, timeout=STARTUP_TIMEOUT_MS)
+    except TimeoutError as e:
+        checks = launcher.validation.checks if launcher.validation is not None else []
+        raise TimeoutError(f"{e}: Start stayed disabled; status {launcher.status.text()!r}, probe done: "
+                           f"{launcher.report is not None}, checks: {[c.message for c in checks]}") from e
     QTest.mouseClick(launcher.start_button, Qt.MouseButton.LeftButton)
     wait_until(lambda: controller.window is not None and controller.client is not None
                and controller.mode is not None, timeout=STARTUP_TIMEOUT_MS)
