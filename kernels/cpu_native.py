@@ -45,17 +45,17 @@ def _source() -> str:
         return f.read()
 
 
-def build_dir() -> str | None:
-    """Where the build goes: a folder per source and CPU beside inductor's cache (engine/model/head.py points
+def build_dir(key: str) -> str | None:
+    """Where the build with this key goes: a folder beside inductor's cache (engine/model/head.py points
     TORCHINDUCTOR_CACHE_DIR into the project's cache), else None: torch's own extensions folder, under a name that
     carries the same key."""
     root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return os.path.join(os.path.dirname(root), "cpu_native", build_key()) if root else None
+    return os.path.join(os.path.dirname(root), "cpu_native", key) if root else None
 
 
-def build_key() -> str:
+def build_key(source: str) -> str:
     """A hash of the source, the flags, torch's version and the CPU's features: another CPU gets another build."""
-    text = _source() + " ".join(FLAGS) + torch.__version__ + _cpu_features()
+    text = source + " ".join(FLAGS) + torch.__version__ + _cpu_features()
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -68,10 +68,12 @@ def ready() -> str | None:
         return _state["error"]
     try:
         from torch.utils.cpp_extension import load_inline
-        folder = build_dir()
+        source = _source()
+        key = build_key(source)
+        folder = build_dir(key)
         if folder is not None:
             os.makedirs(folder, exist_ok=True)
-        load_inline(f"ninfer_cpu_{build_key()}", cpp_sources=[_source()], is_python_module=False, extra_cflags=FLAGS,
+        load_inline(f"ninfer_cpu_{key}", cpp_sources=[source], is_python_module=False, extra_cflags=FLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=folder)
         _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
     except Exception as e:  # no compiler or ninja, a compile error: the caller falls back

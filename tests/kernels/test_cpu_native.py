@@ -66,7 +66,10 @@ def test_the_output_layer_kernel_takes_the_cpp_kernel_where_it_builds(native, mo
 def test_a_build_is_kept_per_cpu(monkeypatch):
     """Another CPU's features name another folder: a build made for one CPU is never loaded on another."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/cache/inductor")
-    here = cpu_native.build_dir()
-    assert here == f"/cache/cpu_native/{cpu_native.build_key()}"
+    source = cpu_native._source()
+    here = cpu_native.build_key(source)
+    assert cpu_native.build_dir(here) == f"/cache/cpu_native/{here}"
     monkeypatch.setattr(cpu_native, "_cpu_features", lambda: "flags : fpu sse sse2")
-    assert cpu_native.build_dir() != here and cpu_native.build_dir().startswith("/cache/cpu_native/")
+    assert cpu_native.build_key(source) != here
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    assert cpu_native.build_dir(here) is None  # torch's extensions folder, the key in the build's name
