@@ -21,7 +21,8 @@ from engine.memory.geometry import PAGE_SIZE, state_slots, state_snapshots
 from engine.ledger import MIB, Ledger, ModelShape, build_ledger
 from engine.model.config import ModelConfig
 from engine.model.formats import pick_dtype, pick_kv_dtype, weight_format
-from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS
+from engine.model.head import use_project_cache
+from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS, use_cpu_kernel
 from engine.model.registry import build_model
 from engine.model.loader import load_weights
 from engine.model.weights import Progress
@@ -29,6 +30,7 @@ from engine.runner import ModelRunner
 from engine.spec.factory import make_speculator
 from engine.spec.mtp import is_mtp_tensor
 from engine.tokenizer import Tokenizer
+from kernels import cpu_native
 
 log = logging.getLogger("ninfer.build")
 
@@ -131,6 +133,15 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     options["cpu_compile"] = c.cpu_compile
     net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto", **options)
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
+    if dev.type == "cpu" and c.cpu_compile != "off" and fmt:
+        use_project_cache()
+        done = use_cpu_kernel(net)
+        if done is None:
+            log.warning("decoder layers: the C++ decode kernel is not available (%s); they decode through ATen's "
+                        "low-bit kernels instead (bf16 activations, slower). Install a C++ compiler (g++ or clang) "
+                        "to enable it, or set --cpu-compile off to skip trying.", cpu_native.ready())
+        else:
+            log.info("decoder layers: %s", done)
     selfcheck.run(weights, net, fmt, kdtype, tokenizer, allow=c.allow_lossy_format)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights

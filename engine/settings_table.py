@@ -248,13 +248,14 @@ SETTINGS: tuple[Setting, ...] = (
         _s("cuda_graphs", str, "auto", "Replay decoding steps as CUDA graphs (one per batch size) to cut kernel-launch "
            "overhead; auto: on when the model runs on a CUDA GPU with Triton; on is refused elsewhere.",
            choices=("auto", "on", "off")),
-        _s("cpu_compile", str, "auto", "On the CPU, compile the output layer of a low-bit model (a C++ kernel built for "
-           "this CPU, else torch.compile): float32 logits read from the file's 8-bit codes, about 4x fewer bytes per "
-           "token than a float32 layer. "
+        _s("cpu_compile", str, "auto", "On the CPU, build C++ kernels for this CPU for a low-bit model: the output "
+           "layer's float32 logits read from the file's 8-bit codes (about 4x fewer bytes per token than a float32 "
+           "layer), and the decoder layers' 4- and 8-bit weights read as stored while generating (activations "
+           "rounded to int16 per block of 32: finer than the bf16 of ATen's kernels, about 1.5x faster decoding). "
            "Needs a C++ compiler the first time (cached after); without one it falls back, with a warning, to the "
-           "float32 layer (the same logits, slower). step: also compile the whole decode step of one sequence into "
-           "one graph (faster decoding; about a minute to compile the first time, some 10 s at later starts). "
-           "off: always the float32 layer.",
+           "float32 output layer (torch.compile's kernel where that builds) and ATen's kernels. step: also compile "
+           "the whole decode step of one sequence into one graph (about a minute to compile the first time, some "
+           "10 s at later starts). off: the float32 output layer and ATen's kernels.",
            choices=("auto", "step", "off")),
         _s("prefill_cublas", bool, False, "While reading the prompt, low-bit weights are unpacked into a shared buffer "
            "and multiplied as dense matrices (cuBLAS on a GPU, about 1.4x faster prompt reading on the CPU); "

@@ -11,6 +11,10 @@
   summed in pairs (`int8split_fn`).
 * every other weight (groups of 16: GGUF Q6_K, Q2_K, Q3_K) is dequantized once into a dense copy in the compute
   dtype (`dense_fn`), cached on the weight.
+* `native_fn`: a weight the engine marked `qw.cache["lowbit_native"]` (engine/model/linear.use_cpu_kernel: 4-bit or
+  grouped int8, groups of 32k) runs its decode and verification rows (up to NATIVE_ROWS) through the C++ kernel of
+  kernels/cpu_native.py, float32 in and out (activations rounded to int16 per block of 32, finer than the bf16 the
+  ATen kernels take); more rows (a prompt) through the ATen path above.
 
 Which path `kernels.dispatch.linear` takes on the CPU is decided by the measurements in docs/KERNELS.md.
 The converted layouts are cached on the QuantizedWeight (`qw.cache`), keyed by purpose and activation dtype.
@@ -22,9 +26,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_native
 from kernels.quant import QuantizedWeight, codes, dequantize
 
 INT4PACK_GROUPS = (32, 64, 128, 256)
+NATIVE_ROWS = 8  # rows up to which a marked weight takes the C++ kernel (decode, verification of a draft)
 
 
 def has_int8pack() -> bool:
@@ -105,6 +111,21 @@ def int8split_fn(qw: QuantizedWeight, cd: torch.dtype) -> Callable[[torch.Tensor
         y = op(x, packed, group, sz)
         return y[:, :n] + y[:, n:]
     return _returning(pairs, n, cd)
+
+
+def native_fn(qw: QuantizedWeight, many: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor],
+                                                                                            torch.Tensor]:
+    """x (float32) -> x @ dequantize(qw).T through the C++ kernel for up to NATIVE_ROWS rows, `many` for more."""
+    op, n = cpu_native.lowbit_op(), qw.out_features
+    operands = (qw.qweight, qw.scales, qw.mins, qw.format == "int4_sym")
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else _flat(x)
+        if rows.shape[0] > NATIVE_ROWS:
+            return many(x)
+        y = op(rows, *operands)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return run
 
 
 def dense_fn(qw: QuantizedWeight, cd: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -1,14 +1,25 @@
-// y = x @ W.T in float32 for grouped int8 weights, W = c * d (+ m): codes c int8 [N, K], scales d (and mins m)
-// float32 [N, K / G]. Built for the machine it runs on (kernels/cpu_native.py); the twin is
-// kernels.reference.quant_linear_ref with float32 activations. Only the summation order differs from a float32
-// matmul over the dequantized weight.
+// CPU kernels built for the machine they run on (kernels/cpu_native.py).
+//
+// q8_linear: y = x @ W.T in float32 for grouped int8 weights, W = c * d (+ m): codes c int8 [N, K], scales d (and
+// mins m) float32 [N, K / G]. The twin is kernels.reference.quant_linear_ref with float32 activations: only the
+// summation order differs from a float32 matmul over the dequantized weight.
+//
+// lowbit_linear: y = x @ W.T for 4-bit (uint8 [N, K / 2], element 2j in the low nibble of byte j, 2j+1 in the high)
+// or grouped int8 codes (int8 [N, K]), W = c * d + m (4-bit symmetric: (c - 8) * d), scales and mins float32 or
+// float16 [N, K / G]. The activations are rounded to int16 per block of 32 (kernels.reference.int16_rows: about 4,000
+// times finer than the block's largest value, 256 times finer than bfloat16 there) and multiplied as integers, 16
+// products an instruction; the mins meet the block sums of x in float32. Twin: reference.lowbit_linear_ref.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
-#if defined(__AVX2__) && defined(__FMA__)
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -105,9 +116,225 @@ at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Te
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------------- lowbit_linear
+constexpr int64_t QB = 32;  // activations rounded per block of this many values
+constexpr int64_t MAX_BLOCKS = 1024;  // blocks a row may have (K up to 32,768)
+
+struct Rows {  // M rows of activations rounded to int16: q [M, K], per block: the step dx and the float32 sum sx
+  std::vector<int16_t> q;
+  std::vector<float> dx, sx;
+};
+
+// interleaved (4-bit codes): a block's rounded values are stored evens first, then odds, the order its nibbles unpack in
+void round_rows(const float* x, int64_t M, int64_t K, bool interleaved, Rows& r) {
+  const int64_t blocks = M * (K / QB);
+  r.q.resize(M * K);
+  r.dx.resize(blocks);
+  r.sx.resize(blocks);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* xb = x + i * QB;
+    float amax = 0.f, s = 0.f;
+    for (int j = 0; j < QB; ++j) {
+      amax = std::max(amax, std::abs(xb[j]));
+      s += xb[j];
+    }
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    r.dx[i] = amax / 32767.f;
+    r.sx[i] = s;
+    int16_t* qb = r.q.data() + i * QB;
+    for (int j = 0; j < QB; ++j) {
+      const float v = std::min(32767.f, std::max(-32767.f, std::nearbyint(xb[j] * inv)));
+      qb[interleaved ? (j & 1) * (QB / 2) + j / 2 : j] = static_cast<int16_t>(v);
+    }
+  }
+}
+
+template <typename S>
+inline float as_float(S v) { return static_cast<float>(v); }
+#if defined(__F16C__)
+template <>
+inline float as_float(at::Half v) { return _cvtsh_ss(v.x); }
+#endif
+
+// a weight row's scales and mins (or, sym, -8 times the scales) spread to one per block of QB, as float32
+template <typename S>
+void block_table(const S* d, const S* m, bool sym, int64_t groups, int64_t per, float* ds, float* ms) {
+  int64_t g = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  if constexpr (std::is_same_v<S, at::Half>) {
+    for (; per == 1 && g + 8 <= groups; g += 8) {  // groups of QB (GGUF's 4-bit blocks): 8 scales at a time
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g)));
+      _mm256_storeu_ps(ds + g, dv);
+      if (sym) _mm256_storeu_ps(ms + g, _mm256_mul_ps(dv, _mm256_set1_ps(-8.f)));
+      else if (m) _mm256_storeu_ps(ms + g, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + g))));
+    }
+  }
+#endif
+  for (; g < groups; ++g) {
+    const float dg = as_float(d[g]), mg = sym ? -8.f * dg : m ? as_float(m[g]) : 0.f;
+    for (int64_t j = g * per; j < (g + 1) * per; ++j) ds[j] = dg, ms[j] = mg;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// half `h` of a block's codes as 16 int16: the evens (h = 0) or odds (1) of 4-bit codes, the first or second 16 of int8
+template <bool FOUR>
+inline __m256i codes16(const uint8_t* c, int h) {
+  if (FOUR) {
+    const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    return _mm256_cvtepu8_epi16(_mm_and_si128(h ? _mm_srli_epi16(p, 4) : p, _mm_set1_epi8(0x0F)));
+  }
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c) + h));
+}
+
+// one block's 32 integer products, summed in 8 int32 lanes and converted to float
+inline __m256 block_dot(__m256i w0, __m256i w1, const int16_t* q) {
+  const __m256i* p = reinterpret_cast<const __m256i*>(q);
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(p)),
+                                             _mm256_madd_epi16(w1, _mm256_loadu_si256(p + 1))));
+}
+#endif
+
+// R rows of x (rounded) against one weight row: codes c, scales d and mins m (or, sym, -8 d) of that row
+template <int R, bool FOUR, typename S>
+void lowbit_rows(const Rows& xr, int64_t row0, int64_t K, int64_t G, const uint8_t* c, const S* d, const S* m,
+                 bool sym, float* out, int64_t out_stride) {
+  const int64_t B = K / QB, per = G / QB, bytes = FOUR ? QB / 2 : QB;
+  float ds[MAX_BLOCKS], ms[MAX_BLOCKS];  // the row's scale and min of each block, as float32
+  block_table(d, m, sym, K / G, per, ds, ms);
+  float acc[R];
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 v0[R], v1[R];  // two accumulators a row (even and odd blocks), kept in registers
+  for (int r = 0; r < R; ++r) v0[r] = v1[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= B; b += 2) {
+    const __m256i w0 = codes16<FOUR>(c + b * bytes, 0), w1 = codes16<FOUR>(c + b * bytes, 1);
+    const __m256i u0 = codes16<FOUR>(c + (b + 1) * bytes, 0), u1 = codes16<FOUR>(c + (b + 1) * bytes, 1);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (row0 + r) * B + b;
+      v0[r] = _mm256_fmadd_ps(block_dot(w0, w1, xr.q.data() + i * QB), _mm256_set1_ps(ds[b] * xr.dx[i]), v0[r]);
+      v1[r] = _mm256_fmadd_ps(block_dot(u0, u1, xr.q.data() + (i + 1) * QB), _mm256_set1_ps(ds[b + 1] * xr.dx[i + 1]),
+                              v1[r]);
+    }
+  }
+  if (b < B) {
+    const __m256i w0 = codes16<FOUR>(c + b * bytes, 0), w1 = codes16<FOUR>(c + b * bytes, 1);
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (row0 + r) * B + b;
+      v0[r] = _mm256_fmadd_ps(block_dot(w0, w1, xr.q.data() + i * QB), _mm256_set1_ps(ds[b] * xr.dx[i]), v0[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r] = hsum(_mm256_add_ps(v0[r], v1[r]));
+#else
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int64_t b = 0; b < B; ++b) {
+    const float dg = ds[b];
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = (row0 + r) * B + b;
+      const int16_t* q = xr.q.data() + i * QB;
+      int32_t s = 0;
+      for (int j = 0; j < QB; ++j) {
+        const int w = FOUR ? (j < QB / 2 ? c[b * bytes + j] & 15 : c[b * bytes + j - QB / 2] >> 4)
+                           : static_cast<int8_t>(c[b * bytes + j]);
+        s += w * q[j];
+      }
+      acc[r] += static_cast<float>(s) * (dg * xr.dx[i]);
+    }
+  }
+#endif
+  if (m != nullptr || sym)
+    for (int r = 0; r < R; ++r) acc[r] += dot(ms, xr.sx.data() + (row0 + r) * B, B);
+  for (int r = 0; r < R; ++r) out[r * out_stride] = acc[r];
+}
+
+template <bool FOUR, typename S>
+void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp, const S* dp,
+                const S* mp, bool sym, float* yp) {
+  const int64_t groups = K / G, row_bytes = FOUR ? K / 2 : K;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* c = cp + n * row_bytes;
+      const S *d = dp + n * groups, *m = mp ? mp + n * groups : nullptr;
+      int64_t r = 0;
+      for (; r + ROWS <= M; r += ROWS) lowbit_rows<ROWS, FOUR, S>(xr, r, K, G, c, d, m, sym, yp + r * N + n, N);
+      for (; r < M; ++r) lowbit_rows<1, FOUR, S>(xr, r, K, G, c, d, m, sym, yp + r * N + n, N);
+    }
+  });
+}
+
+at::Tensor lowbit_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, bool sym) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "lowbit_linear: x must be float32 [M, K]");
+  const bool four = codes.scalar_type() == at::kByte;
+  TORCH_CHECK(codes.dim() == 2 && (four || codes.scalar_type() == at::kChar) && codes.is_contiguous(),
+              "lowbit_linear: codes must be contiguous uint8 (4-bit pairs) or int8 [N, K]");
+  const auto x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) * (four ? 2 : 1) == K && scales.dim() == 2 && scales.size(0) == N &&
+              K % scales.size(1) == 0, "lowbit_linear: shapes of x, codes and scales disagree");
+  const int64_t G = K / scales.size(1);
+  TORCH_CHECK(G % QB == 0, "lowbit_linear: the group size must be a multiple of ", QB);
+  TORCH_CHECK(K <= QB * MAX_BLOCKS, "lowbit_linear: rows longer than ", QB * MAX_BLOCKS, " values are not taken");
+  const auto st = scales.scalar_type();
+  TORCH_CHECK((st == at::kFloat || st == at::kHalf) && scales.is_contiguous(),
+              "lowbit_linear: scales must be contiguous float32 or float16");
+  TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == st && mins->is_contiguous()),
+              "lowbit_linear: mins must be like the scales");
+  TORCH_CHECK(!(sym && mins), "lowbit_linear: symmetric 4-bit codes take no mins");
+  auto y = at::empty({M, N}, x.options());
+  thread_local Rows xr;
+  round_rows(x.data_ptr<float>(), M, K, four, xr);
+  const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  float* yp = y.data_ptr<float>();
+  if (st == at::kFloat) {
+    const float *dp = scales.data_ptr<float>(), *mp = mins ? mins->data_ptr<float>() : nullptr;
+    four ? lowbit_all<true>(xr, M, K, N, G, cp, dp, mp, sym, yp) : lowbit_all<false>(xr, M, K, N, G, cp, dp, mp, sym, yp);
+  } else {
+    const at::Half *dp = scales.data_ptr<at::Half>(), *mp = mins ? mins->data_ptr<at::Half>() : nullptr;
+    four ? lowbit_all<true>(xr, M, K, N, G, cp, dp, mp, sym, yp) : lowbit_all<false>(xr, M, K, N, G, cp, dp, mp, sym, yp);
+  }
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------------- rms_norm
+// y = x * rsqrt(mean(x^2) + eps) * w over the last dim of float32 rows (one pass a row, the sum in float32 lanes);
+// ATen's CPU kernel takes about 25 us for one 576-wide row, this about 1 us plus the call
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.dim() == 1 &&
+              x_.dim() >= 1 && x_.size(-1) == w.size(0), "rms_norm: float32 x [..., D] and weight [D]");
+  const auto x = x_.contiguous();
+  const auto wc = w.contiguous();
+  const int64_t D = w.size(0), rows = D ? x.numel() / D : 0;
+  auto y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = xp + r * D;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < D; ++i) s += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(s / static_cast<float>(D) + static_cast<float>(eps));
+    float* yr = yp + r * D;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) yr[i] = xr[i] * inv * wp[i];
+  }
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ninfer_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
   m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
+  m.def("lowbit_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, bool sym) -> Tensor");
+  m.impl("lowbit_linear", c10::DispatchKey::CPU, &lowbit_linear);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
 }

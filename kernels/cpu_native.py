@@ -1,10 +1,19 @@
-"""A CPU kernel in C++ (kernels/cpu_native.cpp), built on first use for the machine it runs on.
+"""CPU kernels in C++ (kernels/cpu_native.cpp), built on first use for the machine they run on.
 
 * `q8_linear(x, qw)`: y = x @ dequantize(qw).T in float32 for grouped int8 weights (codes c, float32 scales d and
   optional mins m per group: w = c*d + m), reading the 1-byte codes once for up to four rows of x. Only the summation
   order differs from a float32 matmul over the dequantized weight (its twin: `reference.quant_linear_ref` with float32
   activations). With AVX2 and FMA it converts and multiplies 32 codes at a time; elsewhere plain loops are left to
   the compiler.
+* `lowbit_linear(x, qw)`: y = x @ dequantize(qw).T for 4-bit and grouped int8 weights (group a multiple of 32) with
+  float32 or float16 scales, reading the codes as stored. The activations are rounded to int16 per block of 32 (a
+  step of max|x| / 32767: finer than the bfloat16 that ATen's int4 kernel rounds them to) and multiplied as integers,
+  16 products an instruction with AVX2; mins meet exact float32 block sums of x. Twin: `reference.lowbit_linear_ref`.
+  Decode and verification steps of the decoder layers use it (kernels/dispatch.py); about 3x faster than ATen's
+  int4 kernel on a CPU without AVX-512 (docs/KERNELS.md).
+
+* `rms_norm(x, w, eps)`: F.rms_norm of float32 rows (ATen's CPU kernel takes ~25 us for one 576-wide row; a decode
+  step of the default model calls it 61 times). engine/model/layers.rms_norm takes it once the kernels are loaded.
 
 Why C++: inductor's code for the same expression (kernels/cpu_compiled.py) loads 8 codes at a time into a vector
 made for 32 and reduces every group horizontally; on a CPU without AVX-512 that reads the default model's output
@@ -76,6 +85,9 @@ def ready() -> str | None:
         load_inline(f"ninfer_cpu_{key}", cpp_sources=[source], is_python_module=False, extra_cflags=FLAGS,
                     extra_ldflags=["-fopenmp"], build_directory=folder)
         _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
+        _state["lowbit"] = torch.ops.ninfer_cpu.lowbit_linear.default
+        _state["rms_norm"] = torch.ops.ninfer_cpu.rms_norm.default
+        _register_shapes()
     except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         _state["error"] = f"the C++ kernel did not build: {(lines[0] if lines else type(e).__name__)[:300]}"
@@ -90,3 +102,50 @@ def supported(qw: QuantizedWeight) -> bool:
 def q8_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """[M, K] float32 -> [M, N] float32; `ready()` must have returned None and `supported(qw)` be true."""
     return _state["op"](x, qw.qweight, qw.scales, qw.mins)
+
+
+def loaded() -> bool:
+    """Whether the kernels are loaded (`ready()` ran and succeeded); never builds."""
+    return "op" in _state
+
+
+LOWBIT_MAX_IN = 32768  # the longest weight row lowbit_linear takes (kernels/cpu_native.cpp: MAX_BLOCKS blocks of 32)
+
+
+def lowbit_supported(qw: QuantizedWeight) -> bool:
+    if qw.format not in ("int4_asym", "int4_sym", "int8") or qw.group_size % 32 or qw.in_features > LOWBIT_MAX_IN:
+        return False
+    if qw.scales.dtype not in (torch.float32, torch.float16) or qw.scales.device.type != "cpu":
+        return False
+    return (qw.mins is None or qw.mins.dtype == qw.scales.dtype) and all(
+        t is None or t.is_contiguous() for t in (qw.qweight, qw.scales, qw.mins))
+
+
+def lowbit_op():
+    """The op itself: (x [M, K] float32, codes, scales, mins or None, symmetric 4-bit) -> [M, N] float32."""
+    return _state["lowbit"]
+
+
+def lowbit_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """[M, K] float32 -> [M, N] float32; `ready()` must have returned None and `lowbit_supported(qw)` be true."""
+    return _state["lowbit"](x, qw.qweight, qw.scales, qw.mins, qw.format == "int4_sym")
+
+
+def _register_shapes() -> None:
+    """Output shapes for torch.compile (--cpu-compile step traces the decoder layers' calls of the kernel)."""
+    @torch.library.register_fake("ninfer_cpu::lowbit_linear")
+    def _(x, codes, scales, mins, sym):
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("ninfer_cpu::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("ninfer_cpu::q8_linear")
+    def _(x, codes, scales, mins):
+        return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm over the last dim of float32 x with a float32 weight [D]; `loaded()` must be true."""
+    return _state["rms_norm"](x, weight, eps)

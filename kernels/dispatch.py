@@ -73,7 +73,10 @@ def _cpu_linear_fn(qw: QuantizedWeight, x_dtype: torch.dtype, compute_dtype: Opt
     path = cpu_linear_path(qw, x_dtype, compute_dtype)
     fn = {"int8pack": cpu.int8pack_fn, "int4pack": cpu.int4pack_fn, "int8split": cpu.int8split_fn,
           "dense": cpu.dense_fn}.get(path)
-    return functools.partial(cpu.dequant_linear, qw=qw) if fn is None else fn(qw, compute_dtype or x_dtype)
+    run = functools.partial(cpu.dequant_linear, qw=qw) if fn is None else fn(qw, compute_dtype or x_dtype)
+    if qw.cache.get("lowbit_native") and x_dtype == torch.float32:
+        return cpu.native_fn(qw, many=run)  # decode rows through the C++ kernel, prompts as above
+    return run
 
 
 def linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None, *,

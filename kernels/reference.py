@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kernels.quant import QuantizedWeight, dequantize
 
-__all__ = ["dequantize", "quant_linear_ref", "rms_norm_ref", "rope_ref", "rope_tables", "silu_and_mul_ref",
+__all__ = ["dequantize", "quant_linear_ref", "int16_rows", "lowbit_linear_ref", "rms_norm_ref", "rope_ref", "rope_tables", "silu_and_mul_ref",
            "kv_dequantize_ref", "paged_decode_attention_ref", "gdn_recurrent_ref", "gdn_chunked_ref",
            "causal_conv_update_ref"]
 
@@ -23,6 +23,30 @@ def quant_linear_ref(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+INT16_BLOCK = 32
+
+
+def int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 rounded as the C++ low-bit kernel rounds its activations: per block of 32 values, the step
+    dx = max|x| / 32767 and x ~ round(x * (32767 / max|x|)) * dx (to nearest, ties to even). Returned as float32."""
+    b = x.float().reshape(x.shape[0], -1, INT16_BLOCK)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767 / torch.where(amax > 0, amax, 1), 0)
+    return (torch.round(b * inv).clamp(-32767, 32767) * (amax / 32767)).reshape(x.shape)
+
+
+def lowbit_linear_ref(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """The twin of the C++ `lowbit_linear`: the codes' part of the weight (c * d) times x rounded by `int16_rows`,
+    the mins' part (m, or -8 d for symmetric 4-bit) times x itself; float64, returned as float32."""
+    w = dequantize(qw).double()
+    part = torch.zeros_like(w)
+    if qw.mins is not None or qw.format == "int4_sym":
+        m = qw.mins.double() if qw.mins is not None else -8 * qw.scales.double()
+        part = m.repeat_interleave(qw.group_size, dim=1)
+    y = int16_rows(x).double() @ (w - part).T + x.double() @ part.T
+    return y.float()
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None):

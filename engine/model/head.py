@@ -52,7 +52,7 @@ def output_layer(weight: Weight, dtype: torch.dtype, device: torch.device, cpu_c
     if cpu_compile == "off" or weight.out_features * weight.in_features < COMPILE_MIN_WEIGHTS:
         return Linear(dequantize(weight, torch.float32).to(dtype))
     codes = _int8_codes(weight)
-    _use_project_cache()
+    use_project_cache()
     why = cpu_compiled.ready(codes)
     if why is not None:
         log.warning("output layer: the compiled CPU kernel is not available (%s); it runs dense float32 instead "
@@ -76,7 +76,7 @@ def _int8_codes(qw: QuantizedWeight) -> QuantizedWeight:
                            qw.shape)
 
 
-def _use_project_cache() -> None:
+def use_project_cache() -> None:
     """Inductor's compiled artifacts go to $NINFER_HOME/cache/inductor, else to the user's cache folder (kept across
     starts and reboots, so a restart loads instead of compiling); TORCHINDUCTOR_CACHE_DIR, where set, wins."""
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):

@@ -1,11 +1,13 @@
-"""The C++ CPU kernel (kernels/cpu_native.py) against its twin, the float32 matmul over the dequantized weight; the
-output layer's kernel choosing it where it builds and the compiled kernel where it does not."""
+"""The C++ CPU kernels (kernels/cpu_native.py) against their twins: q8_linear against the float32 matmul over the
+dequantized weight, the output layer's kernel choosing it where it builds and the compiled kernel where it does not;
+lowbit_linear against reference.lowbit_linear_ref and the rounding's bound, and the dispatch of marked weights."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kernels import cpu_compiled, cpu_native
-from kernels.quant import QuantizedWeight, quantize_int4
-from kernels.reference import quant_linear_ref
+from kernels import cpu, cpu_compiled, cpu_native, dispatch
+from kernels.quant import QuantizedWeight, dequantize, quantize, quantize_int4
+from kernels.reference import int16_rows, lowbit_linear_ref, quant_linear_ref
 from tests.kernels.test_cpu_compiled import grouped
 
 
@@ -73,3 +75,100 @@ def test_a_build_is_kept_per_cpu(monkeypatch):
     assert cpu_native.build_key(source) != here
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     assert cpu_native.build_dir(here) is None  # torch's extensions folder, the key in the build's name
+
+
+# ---------------------------------------------------------------------------------------------------- lowbit_linear
+def lowbit(fmt: str, out: int, k: int, group: int, scale_dtype=torch.float16) -> QuantizedWeight:
+    """A weight of each format the kernel reads, scales in `scale_dtype` (float16 as GGUF files store them)."""
+    w = torch.randn(out, k, generator=torch.Generator().manual_seed(out * 7 + k + group))
+    if fmt in ("int4_asym", "int4_sym"):
+        return quantize_int4(w, group, symmetric=fmt == "int4_sym", scale_dtype=scale_dtype)
+    qw = grouped(out, k, group, mins=fmt == "int8_mins")
+    return QuantizedWeight("int8", qw.qweight, qw.scales.to(scale_dtype),
+                           None if qw.mins is None else qw.mins.to(scale_dtype), group, qw.shape)
+
+
+@pytest.mark.parametrize("fmt,out,k,group,scale_dtype", [
+    ("int4_asym", 1000, 576, 32, torch.float16), ("int4_sym", 77, 96, 32, torch.float16),
+    ("int4_asym", 49, 1536, 64, torch.float32), ("int8", 1000, 256, 32, torch.float32),
+    ("int8_mins", 77, 576, 32, torch.float16), ("int8", 49, 288, 288, torch.float32)])
+def test_lowbit_linear_equals_its_twin_for_every_row_count(native, fmt, out, k, group, scale_dtype):
+    """Q4_1- and Q4_0-like 4-bit weights, grouped int8 with and without mins (Q8_0, Q5_*), per-channel int8; float16
+    and float32 scales; an odd number of blocks of 32 (k = 96, 288); every row count a decode or verification step
+    brings. The twin rounds the activations the same way, so only the summation order differs; against the exact
+    float32 product the error stays within the rounding's bound."""
+    qw = lowbit(fmt, out, k, group, scale_dtype)
+    assert cpu_native.lowbit_supported(qw)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(out)) * 3
+    x[2, :32] *= 100  # a block with an outlier: its step is 100x coarser, the other blocks' are not
+    want, exact = lowbit_linear_ref(x, qw), quant_linear_ref(x, qw)
+    for rows in (1, 2, 3, 4, 5, 8, 11):
+        got = cpu_native.lowbit_linear(x[:rows], qw)
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        torch.testing.assert_close(got, want[:rows], rtol=2e-5, atol=2e-5 * want.abs().max().item())
+    # the rounding's bound: each value within half a step (max|x| of its block / 32767) of x, and float32 products
+    err = (int16_rows(x) - x).abs().view(11, -1, 32)
+    assert bool((err <= x.abs().view(11, -1, 32).amax(-1, keepdim=True) / 65534 * 1.02).all())
+    m = qw.mins.float() if qw.mins is not None else -8 * qw.scales.float() if qw.format == "int4_sym" else 0
+    codes_part = (dequantize(qw) - (m.repeat_interleave(group, 1) if torch.is_tensor(m) else 0)).abs()
+    bound = (err.view(11, k) @ codes_part.T) * 1.01 + 1e-5 * exact.abs().max()
+    assert bool(((cpu_native.lowbit_linear(x, qw) - exact).abs() <= bound).all())
+    strided = x[:3].t().contiguous().t()
+    torch.testing.assert_close(cpu_native.lowbit_linear(strided, qw), want[:3], rtol=2e-5,
+                               atol=2e-5 * want.abs().max().item())
+
+
+def test_lowbit_linear_is_more_precise_than_the_bf16_path(native):
+    """ATen's int4 kernel takes bf16 activations and bf16 scales; the C++ kernel rounds activations to int16 per
+    block and reads the scales as stored: on a Q4_1-like layer its error to the exact product is far smaller."""
+    qw = lowbit("int4_asym", 1024, 576, 32)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(3))
+    exact = quant_linear_ref(x, qw)
+    rel = lambda y: ((y - exact).norm() / exact.norm()).item()  # noqa: E731
+    aten = cpu.int4pack_linear(x, qw, torch.bfloat16)  # what an unmarked weight runs on the CPU
+    assert rel(cpu_native.lowbit_linear(x, qw)) < rel(aten) / 10
+
+
+def test_lowbit_linear_refuses_what_it_cannot_read(native):
+    qw = lowbit("int4_asym", 64, 64, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_native.lowbit_linear(torch.randn(1, 64).half(), qw)
+    with pytest.raises(RuntimeError, match="disagree"):
+        cpu_native.lowbit_linear(torch.randn(1, 32), qw)
+    assert not cpu_native.lowbit_supported(quantize_int4(torch.randn(64, 64), 16))  # groups of 16 (Q6_K-like)
+    assert not cpu_native.lowbit_supported(quantize(torch.randn(64, 64), "ternary"))
+    assert not cpu_native.lowbit_supported(quantize_int4(torch.randn(4, 2 * cpu_native.LOWBIT_MAX_IN), 32))
+
+
+def test_marked_weights_decode_through_the_kernel_and_prompts_through_aten(native, monkeypatch):
+    """A weight the engine marked takes the C++ kernel for up to NATIVE_ROWS rows and ATen's path for more; an
+    unmarked one never takes it."""
+    monkeypatch.setenv("NINFER_NO_TRITON", "1")  # the CPU paths, not the Triton interpreter the suite runs
+    marked, plain = lowbit("int4_asym", 64, 128, 32), lowbit("int4_asym", 64, 128, 32)
+    marked.cache["lowbit_native"] = True
+    calls = []
+    real = cpu_native.lowbit_op()
+    monkeypatch.setattr(cpu_native, "lowbit_op", lambda: lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    x = torch.randn(cpu.NATIVE_ROWS + 1, 128, generator=torch.Generator().manual_seed(2))
+    for rows in (1, cpu.NATIVE_ROWS, cpu.NATIVE_ROWS + 1):
+        torch.testing.assert_close(dispatch.linear(x[:rows], marked), lowbit_linear_ref(x[:rows], marked),
+                                   rtol=0.02, atol=0.02 * quant_linear_ref(x, marked).abs().max().item())
+        dispatch.linear(x[:rows], plain)
+    assert calls == [1, cpu.NATIVE_ROWS]
+    y3 = dispatch.linear(x[:4].view(2, 2, 128), marked)  # [B, T, K] rows, as a verification step may bring
+    assert y3.shape == (2, 2, 64) and calls[-1] == 4
+
+
+def test_rms_norm_equals_atens(native):
+    """Rows of every decode step (one, a few, [T, H, D] heads), an odd width, a huge and a zero row."""
+    g = torch.Generator().manual_seed(4)
+    for shape in ((1, 576), (5, 96), (3, 4, 64), (2, 33)):
+        x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+        x.view(-1, shape[-1])[0] *= 1e4
+        if x.shape[0] > 1:
+            x.view(-1, shape[-1])[1] = 0
+        got = cpu_native.rms_norm(x, w, 1e-6)
+        assert got.shape == x.shape and got.dtype == torch.float32
+        torch.testing.assert_close(got, F.rms_norm(x, (shape[-1],), w, 1e-6), rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_native.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6)

@@ -1,4 +1,4 @@
-"""``ninfer-bench --profile-steps N``: where a decode step's time goes, by ATen operator (torch.profiler).
+"""``ninfer-bench --profile-steps N``: where a decode step's time goes, by operator (ATen, ninfer_cpu) (torch.profiler).
 
 After the timed runs, one more request runs on the calling thread (`Engine.step`): its prefill unprofiled, then N
 decode steps under the profiler. The table ranks operators by their own time; the profiler's bookkeeping inflates
@@ -38,12 +38,12 @@ def profile_decode(engine, prompt_ids: list[int], steps: int, rows: int = 15) ->
         pass
     if done == 0:
         raise RuntimeError("no decode step ran: the profiled request ended with its prefill")
-    ops = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    ops = [e for e in prof.key_averages() if e.key.startswith(("aten::", "ninfer_cpu::"))]  # ours: the C++ kernels
     ops.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in ops) or 1.0
     every = [dict(op=e.key, calls_per_step=e.count / done, self_ms_per_step=e.self_cpu_time_total / 1e3 / done,
                   share=e.self_cpu_time_total / total) for e in ops]
-    lines = [f"{'ATen operator':<40} {'calls/step':>10} {'self ms/step':>12} {'share':>6}"]
+    lines = [f"{'operator (ATen, ninfer_cpu)':<40} {'calls/step':>10} {'self ms/step':>12} {'share':>6}"]
     lines += [f"{t['op']:<40} {t['calls_per_step']:>10.1f} {t['self_ms_per_step']:>12.3f} {t['share']:>6.1%}"
               for t in every[:rows]]
     return dict(steps=done, ms_per_step=seconds * 1e3 / done, aten_calls_per_step=sum(e.count for e in ops) / done,
