@@ -251,7 +251,7 @@ SETTINGS: tuple[Setting, ...] = (
         _s("cpu_compile", str, "auto", "On the CPU, build C++ kernels for this CPU for a low-bit model: the output "
            "layer's float32 logits read from the file's 8-bit codes (about 4x fewer bytes per token than a float32 "
            "layer), and the decoder layers' 4- and 8-bit weights read as stored while generating (activations "
-           "rounded to int16 per block of 32: finer than the bf16 of ATen's kernels, about 1.5x faster decoding). "
+           "rounded to int16 per block of 32: finer than the bf16 of ATen's kernels; decoding 1.2-1.5x faster on the default model). "
            "Needs a C++ compiler the first time (cached after); without one it falls back, with a warning, to the "
            "float32 output layer (torch.compile's kernel where that builds) and ATen's kernels. step: also compile "
            "the whole decode step of one sequence into one graph (about a minute to compile the first time, some "

@@ -1,6 +1,6 @@
 """CPU timing of the quantized-linear paths on SmolLM2-135M shapes (not a test; the numbers go to docs/KERNELS.md).
 
-    python -m tests.kernels.bench_cpu [--threads 2] [--min-time 0.3] [--repeat 2] [--shapes all|0,2]
+    python -m tests.kernels.bench_cpu [--threads 2] [--min-time 0.3] [--repeat 2] [--shapes all|0,2] [--paths C++,bf16]
 
 Activations come in and go out as float32 (the engine's CPU dtype); a "(bf16)" path casts x to bfloat16 for the
 ATen op and the result back, and its time includes both casts. Prints a markdown table of microseconds per call
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.benchmark as tb
 
-from kernels import cpu
+from kernels import cpu, cpu_native
 from kernels.quant import dequantize, quantize_int4, quantize_int8, quantize_ternary
 
 SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]  # (out_features, in_features)
@@ -45,7 +45,10 @@ def paths(w: torch.Tensor):
         ("int4 deq+F.linear g32", q4, 1e-5, lambda x: cpu.dequant_linear(x, q4)),
         ("ternary int4pack (bf16) g64", qt, 1e-2, lambda x: cpu.int4pack_linear(x, qt, BF16)),
         ("ternary deq+F.linear g64", qt, 1e-5, lambda x: cpu.dequant_linear(x, qt)),
-    ]
+    ] + ([] if cpu_native.ready() is not None else [  # the C++ kernel, where it builds (int16 activations)
+        ("int4 C++ lowbit_linear g32", q4, 1e-4, lambda x: cpu_native.lowbit_linear(x, q4)),
+        ("int8 C++ lowbit_linear", q8, 1e-4, lambda x: cpu_native.lowbit_linear(x, q8)),
+    ])
 
 
 def main() -> None:
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--min-time", type=float, default=0.3)
     ap.add_argument("--repeat", type=int, default=2, help="passes over the whole table; each cell keeps its best")
     ap.add_argument("--shapes", default="all", help="'all' or a comma list of indexes into SHAPES")
+    ap.add_argument("--paths", default="", help="only the paths whose names contain one of these comma-separated words")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
@@ -63,7 +67,8 @@ def main() -> None:
     cells: dict = {}
     weights = {}
     for n, k in shapes:
-        weights[(n, k)] = paths(torch.randn(n, k) * 0.05)
+        words = [w for w in a.paths.split(",") if w]
+        weights[(n, k)] = [p for p in paths(torch.randn(n, k) * 0.05) if not words or any(w in p[0] for w in words)]
         for b in (1, 4):
             x = torch.randn(b, k)
             for name, qw, tol, fn in weights[(n, k)]:
