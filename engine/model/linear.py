@@ -165,7 +165,8 @@ def enable_dense_prefill(model, min_rows: int) -> DenseScratch:
 def use_cpu_kernel(model) -> str | None:
     """Marks the low-bit weights of the decoder layers that the C++ kernel of kernels/cpu_native.py reads (4-bit and
     grouped int8 in groups of 32k) for their decode rows (kernels/cpu.native_fn), building or loading it first.
-    Returns what was done, for the load log, or None where the kernel is not available (a warning: `why_not`)."""
+    Returns what was done, for the load log, or None where the kernel is not available (`cpu_native.ready()` says
+    why)."""
     linears = [v for layer in model.layers for v in vars(layer).values()
                if isinstance(v, Linear) and isinstance(v.weight, QuantizedWeight)]
     taken = [v.weight for v in linears if cpu_native.lowbit_supported(v.weight)]
@@ -174,7 +175,8 @@ def use_cpu_kernel(model) -> str | None:
     if cpu_native.ready() is not None:
         return None
     for qw in taken:
-        qw.cache = {k: v for k, v in qw.cache.items() if k[0] != "cpu_linear"}  # choose the path again
+        qw.cache = {k: v for k, v in qw.cache.items()  # the path is chosen again at the next call
+                    if not (isinstance(k, tuple) and k[0] == "cpu_linear")}
         qw.cache["lowbit_native"] = True
     return (f"{len(taken)} of {len(linears)} low-bit weights decode through the C++ kernel (activations rounded to "
             f"int16 per block of 32); prompts through ATen's kernels")
