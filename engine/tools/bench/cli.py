@@ -61,10 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="NInfer only: decode steps replayed as CUDA graphs (auto: on with CUDA and Triton)")
     p.add_argument("--cpu-compile", choices=("auto", "step", "off"), default="auto",
-                   help="NInfer only: the CPU output layer of a low-bit model compiled (auto), and with it the whole "
-                        "decode step of one sequence as one graph (step), or dense float32 (off)")
+                   help="NInfer only: a low-bit model's CPU C++ kernels, for the output layer and the layers' decode "
+                        "(auto), with the whole decode step of one sequence as one graph (step), or none: dense "
+                        "float32 output layer and ATen's kernels (off)")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
-                   help="NInfer only: also profile N decode steps by ATen operator (torch.profiler)")
+                   help="NInfer only: also profile N decode steps by operator, ATen and the project's C++ kernels "
+                        "(torch.profiler)")
     p.add_argument("--via-api", action="store_true",
                    help="also measure through the HTTP server (streaming) and compare with engine-direct")
     return p
@@ -152,8 +154,9 @@ def _run(args, command: str) -> int:
     if args.via_api:
         print(api.format_api_table(ours, through_api))
     if profiled:
-        print(f"\ndecode step profile: {profiled['steps']} steps, {profiled['aten_calls_per_step']:.0f} ATen calls "
-              f"and {profiled['ms_per_step']:.1f} ms a step under the profiler\n{profiled['table']}")
+        print(f"\ndecode step profile: {profiled['steps']} steps, {profiled['aten_calls_per_step']:.0f} operator calls "
+              f"(ATen and ninfer_cpu) and {profiled['ms_per_step']:.1f} ms a step under the profiler\n"
+              f"{profiled['table']}")
     if peer_error:
         print(f"ninfer-bench: {peer_error}", file=sys.stderr)
     if args.json:
