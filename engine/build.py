@@ -160,7 +160,8 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not c.host_pageable,
                          prefill_cublas=c.prefill_cublas, cuda_graphs=c.cuda_graphs,
                          state_slots=state_slots(c.max_concurrency, c.speculative),
-                         max_batch=c.max_concurrency, cpu_step=c.cpu_compile == "step" and dev.type == "cpu")
+                         max_batch=c.max_concurrency, cpu_step=c.cpu_compile == "step" and dev.type == "cpu",
+                         cpu_fused=c.cpu_compile == "auto" and dev.type == "cpu")
     if c.prefill_cublas:
         log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s", PREFILL_DENSE_ROWS,
                  "" if fmt else " (the weights are dense: nothing to do)")

@@ -14,6 +14,7 @@ from engine.kv.table import PageTable
 from engine.memory.geometry import PAGE_SIZE, pads
 from engine.memory.state import SeqState, StatePool
 from engine.model.batch import ForwardBatch
+from engine.model.cpu_fused import make as cpu_fused_step
 from engine.model.cpu_step import CompiledStep
 from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs
 from engine.model.interrupt import Interrupt
@@ -38,7 +39,8 @@ class Work:
 class ModelRunner:
     def __init__(self, model, num_pages: int, kv_dtype: torch.dtype, page_size: int = PAGE_SIZE, host_pages: int = 0,
                  host_pinned: bool = True, prefill_cublas: bool = False, cuda_graphs: str = "off",
-                 static_decode: bool = False, state_slots: int = 0, max_batch: int = 0, cpu_step: bool = False):
+                 static_decode: bool = False, state_slots: int = 0, max_batch: int = 0, cpu_step: bool = False,
+                 cpu_fused: bool = False):
         """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA;
         `prefill_cublas`: low-bit layers run chunks of PREFILL_DENSE_ROWS+ rows as dense matmuls (linear.DenseScratch);
         `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); every decode step
@@ -47,7 +49,9 @@ class ModelRunner:
         `state_slots`: recurrent-state slots (engine/memory/state.py), for a model with recurrent layers;
         `max_batch`: the most sequences a step runs (0: unknown); padded batches of more than 2 have dummy rows,
         whose recurrent state steps in one more, scratch, slot; `cpu_step` (--cpu-compile step): on the CPU, a decode
-        step of one sequence runs as one compiled graph (engine/model/cpu_step.py), where it compiles.
+        step of one sequence runs as one compiled graph (engine/model/cpu_step.py), where it compiles; `cpu_fused`
+        (--cpu-compile auto): on the CPU, decode steps run as one C++ call (engine/model/cpu_fused.py), where the
+        model's layers and KV cache allow it.
 
         The model's `cache_specs` (engine/memory/specs.py, one per layer) size the pools: the KV cache holds the
         attention layers (indexed by their ordinal among them), the state pool the recurrent ones."""
@@ -76,6 +80,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self, num_pages, capture, padded=padded, row_views=row_views)
         if cpu_step:
             self.graphs.compiled = self._compiled_step(row_views)
+        if cpu_fused and row_views:
+            self.graphs.fused = cpu_fused_step(self)
 
     def _compiled_step(self, row_views: bool) -> CompiledStep | None:
         step = CompiledStep(self)

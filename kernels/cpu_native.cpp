@@ -118,7 +118,8 @@ at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Te
 
 // ---------------------------------------------------------------------------------------------------- lowbit_linear
 constexpr int64_t QB = 32;  // activations rounded per block of this many values
-constexpr int64_t MAX_BLOCKS = 1024;  // blocks a row may have (K up to 32,768)
+constexpr int64_t MAX_BLOCKS = 1024;
+constexpr int64_t PREFETCH = 4;  // weight rows read ahead  // blocks a row may have (K up to 32,768)
 
 struct Rows {  // M rows of activations rounded to int16: q [M, K], per block: the step dx and the float32 sum sx
   std::vector<int16_t> q;
@@ -254,6 +255,48 @@ void lowbit_rows(const Rows& xr, int64_t row0, int64_t K, int64_t G, const uint8
   for (int r = 0; r < R; ++r) out[r * out_stride] = acc[r];
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define NINFER_ROW_G32 1
+template <typename S>
+inline __m256 load8(const S* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+template <>
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// one row of x (rounded: q, per block the step dx and the sum sx) against a weight row whose groups are the blocks
+// (G == QB, GGUF's Q4_0/Q4_1/Q8_0): scales and mins are read 8 blocks at a time, the mins' products summed in a
+// vector beside the codes' (no per-row table, no scalar loop); the row's codes stay in L1 for the next row of x
+template <bool FOUR, typename S>
+float lowbit_row_g32(const int16_t* q, const float* dx, const float* sx, int64_t B, const uint8_t* c, const S* d,
+                     const S* m, bool sym) {
+  constexpr int64_t bytes = FOUR ? QB / 2 : QB;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  alignas(32) float f[8];
+  int64_t b = 0;
+  for (; b + 8 <= B; b += 8) {
+    const __m256 dv = load8(d + b);
+    _mm256_store_ps(f, _mm256_mul_ps(dv, _mm256_loadu_ps(dx + b)));
+    if (m) accm = _mm256_fmadd_ps(load8(m + b), _mm256_loadu_ps(sx + b), accm);
+    else if (sym) accm = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set1_ps(-8.f)), _mm256_loadu_ps(sx + b), accm);
+    for (int j = 0; j < 8; j += 2) {
+      const uint8_t* cb = c + (b + j) * bytes;
+      const int16_t* qb = q + (b + j) * QB;
+      acc0 = _mm256_fmadd_ps(block_dot(codes16<FOUR>(cb, 0), codes16<FOUR>(cb, 1), qb), _mm256_set1_ps(f[j]), acc0);
+      acc1 = _mm256_fmadd_ps(block_dot(codes16<FOUR>(cb + bytes, 0), codes16<FOUR>(cb + bytes, 1), qb + QB),
+                             _mm256_set1_ps(f[j + 1]), acc1);
+    }
+  }
+  float tail = 0.f;
+  for (; b < B; ++b) {
+    const float dg = as_float(d[b]), mg = sym ? -8.f * dg : m ? as_float(m[b]) : 0.f;
+    const uint8_t* cb = c + b * bytes;
+    acc0 = _mm256_fmadd_ps(block_dot(codes16<FOUR>(cb, 0), codes16<FOUR>(cb, 1), q + b * QB),
+                           _mm256_set1_ps(dg * dx[b]), acc0);
+    tail += mg * sx[b];
+  }
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), accm)) + tail;
+}
+#endif
+
 template <bool FOUR, typename S>
 void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp, const S* dp,
                 const S* mp, bool sym, float* yp) {
@@ -262,6 +305,23 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* c = cp + n * row_bytes;
       const S *d = dp + n * groups, *m = mp ? mp + n * groups : nullptr;
+#if defined(__AVX2__)
+      if (n + PREFETCH < n1) {
+        const char* f = reinterpret_cast<const char*>(cp + (n + PREFETCH) * row_bytes);
+        for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(f + o, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(dp + (n + PREFETCH) * groups), _MM_HINT_T0);
+        if (mp) _mm_prefetch(reinterpret_cast<const char*>(mp + (n + PREFETCH) * groups), _MM_HINT_T0);
+      }
+#endif
+#ifdef NINFER_ROW_G32
+      if (G == QB) {
+        const int64_t B = K / QB;
+        for (int64_t r = 0; r < M; ++r)
+          yp[r * N + n] = lowbit_row_g32<FOUR, S>(xr.q.data() + r * K, xr.dx.data() + r * B, xr.sx.data() + r * B,
+                                                  B, c, d, m, sym);
+        continue;
+      }
+#endif
       int64_t r = 0;
       for (; r + ROWS <= M; r += ROWS) lowbit_rows<ROWS, FOUR, S>(xr, r, K, G, c, d, m, sym, yp + r * N + n, N);
       for (; r < M; ++r) lowbit_rows<1, FOUR, S>(xr, r, K, G, c, d, m, sym, yp + r * N + n, N);
@@ -269,18 +329,15 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
   });
 }
 
-at::Tensor lowbit_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales,
-                         const std::optional<at::Tensor>& mins, bool sym) {
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "lowbit_linear: x must be float32 [M, K]");
+// the checks of lowbit_linear's weight operands against rows of length K
+void check_lowbit(int64_t K, const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                  bool sym) {
   const bool four = codes.scalar_type() == at::kByte;
   TORCH_CHECK(codes.dim() == 2 && (four || codes.scalar_type() == at::kChar) && codes.is_contiguous(),
               "lowbit_linear: codes must be contiguous uint8 (4-bit pairs) or int8 [N, K]");
-  const auto x = x_.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.size(1) * (four ? 2 : 1) == K && scales.dim() == 2 && scales.size(0) == N &&
-              K % scales.size(1) == 0, "lowbit_linear: shapes of x, codes and scales disagree");
-  const int64_t G = K / scales.size(1);
-  TORCH_CHECK(G % QB == 0, "lowbit_linear: the group size must be a multiple of ", QB);
+  TORCH_CHECK(codes.size(1) * (four ? 2 : 1) == K && scales.dim() == 2 && scales.size(0) == codes.size(0) &&
+              scales.size(1) > 0 && K % scales.size(1) == 0, "lowbit_linear: shapes of x, codes and scales disagree");
+  TORCH_CHECK((K / scales.size(1)) % QB == 0, "lowbit_linear: the group size must be a multiple of ", QB);
   TORCH_CHECK(K <= QB * MAX_BLOCKS, "lowbit_linear: rows longer than ", QB * MAX_BLOCKS, " values are not taken");
   const auto st = scales.scalar_type();
   TORCH_CHECK((st == at::kFloat || st == at::kHalf) && scales.is_contiguous(),
@@ -288,19 +345,43 @@ at::Tensor lowbit_linear(const at::Tensor& x_, const at::Tensor& codes, const at
   TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == st && mins->is_contiguous()),
               "lowbit_linear: mins must be like the scales");
   TORCH_CHECK(!(sym && mins), "lowbit_linear: symmetric 4-bit codes take no mins");
-  auto y = at::empty({M, N}, x.options());
+}
+
+// y [M, N] = x [M, K] @ W.T for checked operands (check_lowbit), into y
+void lowbit_into(const float* x, int64_t M, int64_t K, const at::Tensor& codes, const at::Tensor& scales,
+                 const std::optional<at::Tensor>& mins, bool sym, float* yp) {
+  const bool four = codes.scalar_type() == at::kByte;
+  const int64_t N = codes.size(0), G = K / scales.size(1);
   thread_local Rows xr;
-  round_rows(x.data_ptr<float>(), M, K, four, xr);
+  round_rows(x, M, K, four, xr);
   const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  float* yp = y.data_ptr<float>();
-  if (st == at::kFloat) {
+  if (scales.scalar_type() == at::kFloat) {
     const float *dp = scales.data_ptr<float>(), *mp = mins ? mins->data_ptr<float>() : nullptr;
     four ? lowbit_all<true>(xr, M, K, N, G, cp, dp, mp, sym, yp) : lowbit_all<false>(xr, M, K, N, G, cp, dp, mp, sym, yp);
   } else {
     const at::Half *dp = scales.data_ptr<at::Half>(), *mp = mins ? mins->data_ptr<at::Half>() : nullptr;
     four ? lowbit_all<true>(xr, M, K, N, G, cp, dp, mp, sym, yp) : lowbit_all<false>(xr, M, K, N, G, cp, dp, mp, sym, yp);
   }
+}
+
+at::Tensor lowbit_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& mins, bool sym) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "lowbit_linear: x must be float32 [M, K]");
+  const auto x = x_.contiguous();
+  check_lowbit(x.size(1), codes, scales, mins, sym);
+  auto y = at::empty({x.size(0), codes.size(0)}, x.options());
+  lowbit_into(x.data_ptr<float>(), x.size(0), x.size(1), codes, scales, mins, sym, y.data_ptr<float>());
   return y;
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * w for one row of D floats
+inline void rms_row(const float* x, const float* w, int64_t D, float eps, float* y) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < D; ++i) s += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(s / static_cast<float>(D) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < D; ++i) y[i] = x[i] * inv * w[i];
 }
 
 // ---------------------------------------------------------------------------------------------------- rms_norm
@@ -315,16 +396,7 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
   auto y = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *wp = wc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = xp + r * D;
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < D; ++i) s += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(s / static_cast<float>(D) + static_cast<float>(eps));
-    float* yr = yp + r * D;
-#pragma omp simd
-    for (int64_t i = 0; i < D; ++i) yr[i] = xr[i] * inv * wp[i];
-  }
+  for (int64_t r = 0; r < rows; ++r) rms_row(xp + r * D, wp, D, static_cast<float>(eps), yp + r * D);
   return y;
 }
 

@@ -32,7 +32,8 @@ import torch
 
 from kernels.quant import QuantizedWeight
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_native.cpp")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [os.path.join(_HERE, "cpu_native.cpp"), os.path.join(_HERE, "cpu_decode.cpp")]  # one unit, in this order
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _state: dict = {}  # "error": why the kernel is not available, once tried; "op": the loaded op
@@ -50,8 +51,11 @@ def _cpu_features() -> str:
 
 
 def _source() -> str:
-    with open(SOURCE) as f:
-        return f.read()
+    text = []
+    for path in SOURCES:
+        with open(path) as f:
+            text.append(f.read())
+    return "\n".join(text)
 
 
 def build_dir(key: str) -> str | None:
@@ -87,6 +91,7 @@ def ready() -> str | None:
         _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
         _state["lowbit"] = torch.ops.ninfer_cpu.lowbit_linear.default
         _state["rms_norm"] = torch.ops.ninfer_cpu.rms_norm.default
+        _state["decode_step"] = torch.ops.ninfer_cpu.decode_step.default
         _register_shapes()
     except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -144,6 +149,11 @@ def _register_shapes() -> None:
     @torch.library.register_fake("ninfer_cpu::q8_linear")
     def _(x, codes, scales, mins):
         return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def decode_step_op():
+    """kernels/cpu_decode.cpp's decode_step (engine/model/cpu_fused.py calls it); `loaded()` must be true."""
+    return _state["decode_step"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -94,6 +94,7 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.steps = 0  # decode steps run through this path
         self.compiled = None  # engine.model.cpu_step.CompiledStep, set by the runner for --cpu-compile step
+        self.fused = None  # engine.model.cpu_fused.FusedDecode, set by the runner for --cpu-compile auto
         self._told: set[str] = set()
 
     # ---- which steps ------------------------------------------------------------------------------------------
@@ -221,6 +222,10 @@ class DecodeGraphs:
                 self.steps += 1
                 self._save_states(works)
                 return [logits]
+        if self.fused is not None:  # the CPU's whole step in one C++ call (cpu_fused.py)
+            out = self.fused.run(works)
+            self.steps += 1
+            return out
         try:
             e = self._entry(size(len(works)), size(pages))
         except Exception as err:  # a capture that fails must not fail the requests: decode eagerly from now on

@@ -1,0 +1,113 @@
+"""The CPU's decode step as one C++ call (kernels/cpu_decode.cpp, --cpu-compile auto).
+
+Eager, a decode step of a small model is ~3,000 small ATen calls around the low-bit GEMVs; on two cores the calls
+cost more than the GEMVs. Where a llama-family model's decoder layers all decode through the C++ low-bit kernel
+(engine/model/linear.use_cpu_kernel) and the KV cache holds floats (float32 or float16), every decode step runs the
+whole stack in C++: per layer the same norms and GEMVs as the eager layer, RoPE, the K/V writes and attention over
+each row's pages; the embedding lookup and the output layer stay in Python. Any number of sequences, any page
+layout; the runner's static forward (engine/model/graphs.py) keeps the steps this does not take.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.model.head import embed_rows
+from engine.model.llama import DecoderLayer
+from kernels import cpu_native
+from kernels.quant import QuantizedWeight
+
+log = logging.getLogger("ninfer.model")
+
+LINEARS = ("qkv", "o", "gate_up", "down")
+
+
+def why_not(model, kv) -> str | None:
+    """None when `model` on cache `kv` decodes through decode_step; else why not (for the load log)."""
+    if not cpu_native.loaded():
+        return "the C++ kernels are not loaded"
+    if not all(isinstance(layer, DecoderLayer) for layer in getattr(model, "layers", [None])):
+        return f"{type(model).__name__} has layers other than llama-family attention layers"
+    if model.dtype != torch.float32:
+        return f"the activations are {model.dtype}, not float32"
+    for layer in model.layers:
+        for name in LINEARS:
+            w = getattr(layer, name).weight
+            if not (isinstance(w, QuantizedWeight) and w.cache.get("lowbit_native")):
+                return "not every linear weight of the layers is one the C++ decode kernel reads"
+        if getattr(layer, "o").bias is not None and getattr(layer, "o").bias.dtype != torch.float32:
+            return "a bias is not float32"
+    fmt = kv.format
+    if fmt.k.quantized or fmt.v.quantized or fmt.k.rotate or kv.k[0].dtype not in (torch.float32, torch.float16):
+        return f"the KV cache is {kv.kv_dtype} (float32 and float16 are read in C++)"
+    if model.cfg.head_dim % 8:
+        return f"head_dim {model.cfg.head_dim} is not a multiple of 8"
+    return None
+
+
+class FusedDecode:
+    """Decode steps of one ModelRunner's llama-family model as one C++ call each (`why_not` must have said None)."""
+
+    def __init__(self, runner):
+        self.model, self.kv, self.page_size = runner.model, runner.kv, runner.page_size
+        cfg = self.model.cfg
+        self.weights: list[torch.Tensor | None] = []
+        self.syms: list[int] = []
+        for layer in self.model.layers:
+            ops = [getattr(layer, name) for name in LINEARS]
+            qkv, o, gu, down = [lin.weight for lin in ops]
+            self.weights += [layer.input_norm.float().contiguous(), layer.post_norm.float().contiguous(),
+                             qkv.qweight, qkv.scales, qkv.mins, _f32(ops[0].bias),
+                             o.qweight, o.scales, o.mins, _f32(ops[1].bias),
+                             gu.qweight, gu.scales, gu.mins, down.qweight, down.scales, down.mins,
+                             _f32(layer.q_norm), _f32(layer.k_norm)]
+            self.syms += [int(w.format == "int4_sym") for w in (qkv, o, gu, down)]
+        self.norm = self.model.norm.float().contiguous()
+        self.dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim]
+        self.eps, self.scale = cfg.rms_eps, cfg.head_dim ** -0.5
+        self.op = cpu_native.decode_step_op()
+        self.steps = 0
+
+    def hidden(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
+        """The final norm's output [B, hidden] for one token a row at `positions`, each row over its page list
+        (which covers its position: the token's K/V are written there)."""
+        ps = self.page_size
+        width = max(len(p) for p in pages)
+        table = torch.zeros(len(pages), width, dtype=torch.int32)
+        for i, p in enumerate(pages):
+            table[i, :len(p)] = torch.tensor(p, dtype=torch.int32)
+        slots = [p[pos // ps] * ps + pos % ps for p, pos in zip(pages, positions)]
+        rotary = self.model.rotary
+        if max(positions) >= rotary.cos.shape[0]:
+            rotary._extend(max(positions) + 1)
+        x = embed_rows(self.model.embed, torch.tensor(tokens)).float()
+        with torch.inference_mode():
+            return self.op(x, self.weights, self.syms, self.norm, self.kv.k, self.kv.v, rotary.cos, rotary.sin,
+                           torch.tensor(positions), torch.tensor(slots), table,
+                           torch.tensor([p + 1 for p in positions], dtype=torch.int32), self.dims, self.eps,
+                           self.scale)
+
+    def run(self, works) -> list[torch.Tensor]:
+        """Logits [1, vocab] (float32) per decode work (one token each; pages bound by the caller)."""
+        ps = self.page_size
+        hidden = self.hidden([w.tokens[0] for w in works], [w.start for w in works],
+                             [list(w.pages[: w.start // ps + 1]) for w in works])
+        self.steps += 1
+        with torch.inference_mode():
+            logits = self.model.lm_head(hidden).float()
+        return [logits[i:i + 1] for i in range(len(works))]
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float().contiguous()
+
+
+def make(runner) -> FusedDecode | None:
+    """The runner's fused decode step, or None (the reason logged once)."""
+    why = why_not(runner.model, runner.kv)
+    if why is not None:
+        log.info("decode steps run layer by layer in Python: %s", why)
+        return None
+    log.info("decode steps run as one C++ call each (kernels/cpu_decode.cpp)")
+    return FusedDecode(runner)
