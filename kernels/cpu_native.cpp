@@ -270,19 +270,18 @@ float lowbit_row_g32(const int16_t* q, const float* dx, const float* sx, int64_t
                      const S* m, bool sym) {
   constexpr int64_t bytes = FOUR ? QB / 2 : QB;
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-  alignas(32) float f[8];
   int64_t b = 0;
   for (; b + 8 <= B; b += 8) {
-    const __m256 dv = load8(d + b);
-    _mm256_store_ps(f, _mm256_mul_ps(dv, _mm256_loadu_ps(dx + b)));
+    const __m256 dv = load8(d + b), f = _mm256_mul_ps(dv, _mm256_loadu_ps(dx + b));
     if (m) accm = _mm256_fmadd_ps(load8(m + b), _mm256_loadu_ps(sx + b), accm);
     else if (sym) accm = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set1_ps(-8.f)), _mm256_loadu_ps(sx + b), accm);
     for (int j = 0; j < 8; j += 2) {
       const uint8_t* cb = c + (b + j) * bytes;
       const int16_t* qb = q + (b + j) * QB;
-      acc0 = _mm256_fmadd_ps(block_dot(codes16<FOUR>(cb, 0), codes16<FOUR>(cb, 1), qb), _mm256_set1_ps(f[j]), acc0);
+      acc0 = _mm256_fmadd_ps(block_dot(codes16<FOUR>(cb, 0), codes16<FOUR>(cb, 1), qb),
+                             _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(j)), acc0);
       acc1 = _mm256_fmadd_ps(block_dot(codes16<FOUR>(cb + bytes, 0), codes16<FOUR>(cb + bytes, 1), qb + QB),
-                             _mm256_set1_ps(f[j + 1]), acc1);
+                             _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(j + 1)), acc1);
     }
   }
   float tail = 0.f;
