@@ -99,8 +99,17 @@ def fuse(parts: list[Weight]) -> Weight:
     if not same and all(isinstance(p, QuantizedWeight) for p in parts):
         # mixed low-bit storage (a Q4_K_M file's Q4_K q/k beside a Q6_K v): int8 with mins holds each exactly
         group = math.gcd(*(p.group_size for p in parts))
-        parts, first = [as_int8(p, group) for p in parts], as_int8(first, group)
-        log.info("stacked a mixed-format fused weight as int8 in groups of %d (exact)", group)
+        # symmetric parts (a Q4_0 q/k beside a Q8_0 v) need no mins, and float16 scales stay float16: exact too,
+        # and 2-4 fewer bytes a group to read per token
+        symmetric = all(p.mins is None and p.format in ("int4_sym", "int8", "ternary") for p in parts)
+        half = all(p.scales.dtype == torch.float16 for p in parts)
+        parts = [as_int8(p, group) for p in parts]
+        if symmetric:
+            parts = [QuantizedWeight("int8", p.qweight, p.scales.half() if half else p.scales, None, group, p.shape)
+                     for p in parts]
+        first = parts[0]
+        log.info("stacked a mixed-format fused weight as int8 in groups of %d%s (exact)", group,
+                 ", symmetric" if symmetric else " with mins")
     elif not same:  # low-bit beside dense parts (a weight no low-bit format holds exactly): dense, exact
         dtype = next(p.dtype for p in parts if isinstance(p, torch.Tensor))
         log.info("a fused weight with dense parts runs dense (%s)", str(dtype).split(".")[-1])

@@ -114,6 +114,13 @@ def test_mixed_formats_fuse_exactly():
     fused = fuse(parts)
     assert fused.format == "int8" and fused.group_size == 16
     assert torch.equal(dequantize(fused), torch.cat([dequantize(p) for p in parts]))
+    # symmetric parts with float16 scales (a Q4_0 q/k beside a Q8_0 v): int8 without mins, float16 scales, exact
+    half = lambda q: QuantizedWeight(q.format, q.qweight, q.scales.half(), None, q.group_size, q.shape)  # noqa: E731
+    sym = [half(quantize(torch.randn(64, 256), "int4_sym", 32)), half(quantize(torch.randn(16, 256), "int8", 32))]
+    fused = fuse(sym)
+    assert (fused.format, fused.group_size, fused.mins, fused.scales.dtype) == ("int8", 32, None, torch.float16)
+    assert torch.equal(dequantize(fused), torch.cat([dequantize(p) for p in sym]))
+    assert fused.nbytes < sum(as_int8(p, 32).nbytes for p in sym)
     # one format whose scales differ in dtype (Q4_1's float16 beside Q4_K's float32): stays int4, float32 scales
     a, b = quantize(torch.randn(32, 64), "int4_asym", 32), quantize(torch.randn(16, 64), "int4_asym", 32)
     b = QuantizedWeight(b.format, b.qweight, b.scales.float(), b.mins.float(), 32, b.shape)
