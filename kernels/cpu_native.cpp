@@ -119,7 +119,8 @@ at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Te
 // ---------------------------------------------------------------------------------------------------- lowbit_linear
 constexpr int64_t QB = 32;  // activations rounded per block of this many values
 constexpr int64_t MAX_BLOCKS = 1024;
-constexpr int64_t PREFETCH = 4;  // weight rows read ahead  // blocks a row may have (K up to 32,768)
+constexpr int64_t PREFETCH = 4;  // weight rows read ahead
+constexpr int64_t M_BLOCK = 64;  // rows of x a pass over the weight rows takes (32-wide groups)  // blocks a row may have (K up to 32,768)
 
 struct Rows {  // M rows of activations rounded to int16: q [M, K], per block: the step dx and the float32 sum sx
   std::vector<int16_t> q;
@@ -262,37 +263,48 @@ inline __m256 load8(const S* p) { return _mm256_loadu_ps(reinterpret_cast<const 
 template <>
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// one row of x (rounded: q, per block the step dx and the sum sx) against a weight row whose groups are the blocks
-// (G == QB, GGUF's Q4_0/Q4_1/Q8_0): scales and mins are read 8 blocks at a time, the mins' products summed in a
-// vector beside the codes' (no per-row table, no scalar loop); the row's codes stay in L1 for the next row of x
-template <bool FOUR, typename S>
-float lowbit_row_g32(const int16_t* q, const float* dx, const float* sx, int64_t B, const uint8_t* c, const S* d,
-                     const S* m, bool sym) {
+// R rows of x (rounded: q, per block the step dx and the sum sx; rows K, B and B apart) against a weight row whose
+// groups are the blocks (G == QB: GGUF's Q4_0/Q4_1/Q8_0). Scales and mins are read 8 blocks at a time; each block's
+// codes are widened once for the R rows; a row's arithmetic is the same for every R (two accumulators, even and odd
+// blocks, the mins' products folded into the first), so a row's result never depends on the rows beside it
+template <int R, bool FOUR, typename S>
+void lowbit_rows_g32(const int16_t* q, const float* dx, const float* sx, int64_t K, int64_t B, const uint8_t* c,
+                     const S* d, const S* m, bool sym, float* out, int64_t out_stride) {
   constexpr int64_t bytes = FOUR ? QB / 2 : QB;
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 8 <= B; b += 8) {
-    const __m256 dv = load8(d + b), f = _mm256_mul_ps(dv, _mm256_loadu_ps(dx + b));
-    if (m) accm = _mm256_fmadd_ps(load8(m + b), _mm256_loadu_ps(sx + b), accm);
-    else if (sym) accm = _mm256_fmadd_ps(_mm256_mul_ps(dv, _mm256_set1_ps(-8.f)), _mm256_loadu_ps(sx + b), accm);
+    const __m256 dv = load8(d + b);
+    const __m256 mv = m ? load8(m + b) : sym ? _mm256_mul_ps(dv, _mm256_set1_ps(-8.f)) : _mm256_setzero_ps();
+    __m256 f[R];
+    for (int r = 0; r < R; ++r) {
+      f[r] = _mm256_mul_ps(dv, _mm256_loadu_ps(dx + r * B + b));
+      if (m || sym) acc0[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx + r * B + b), acc0[r]);
+    }
     for (int j = 0; j < 8; j += 2) {
       const uint8_t* cb = c + (b + j) * bytes;
-      const int16_t* qb = q + (b + j) * QB;
-      acc0 = _mm256_fmadd_ps(block_dot(codes16<FOUR>(cb, 0), codes16<FOUR>(cb, 1), qb),
-                             _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(j)), acc0);
-      acc1 = _mm256_fmadd_ps(block_dot(codes16<FOUR>(cb + bytes, 0), codes16<FOUR>(cb + bytes, 1), qb + QB),
-                             _mm256_permutevar8x32_ps(f, _mm256_set1_epi32(j + 1)), acc1);
+      const __m256i w0 = codes16<FOUR>(cb, 0), w1 = codes16<FOUR>(cb, 1);
+      const __m256i u0 = codes16<FOUR>(cb + bytes, 0), u1 = codes16<FOUR>(cb + bytes, 1);
+      const __m256i lane = _mm256_set1_epi32(j), next = _mm256_set1_epi32(j + 1);
+      for (int r = 0; r < R; ++r) {
+        const int16_t* qb = q + r * K + (b + j) * QB;
+        acc0[r] = _mm256_fmadd_ps(block_dot(w0, w1, qb), _mm256_permutevar8x32_ps(f[r], lane), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(block_dot(u0, u1, qb + QB), _mm256_permutevar8x32_ps(f[r], next), acc1[r]);
+      }
     }
   }
-  float tail = 0.f;
+  float tail[R] = {};
   for (; b < B; ++b) {
     const float dg = as_float(d[b]), mg = sym ? -8.f * dg : m ? as_float(m[b]) : 0.f;
     const uint8_t* cb = c + b * bytes;
-    acc0 = _mm256_fmadd_ps(block_dot(codes16<FOUR>(cb, 0), codes16<FOUR>(cb, 1), q + b * QB),
-                           _mm256_set1_ps(dg * dx[b]), acc0);
-    tail += mg * sx[b];
+    const __m256i w0 = codes16<FOUR>(cb, 0), w1 = codes16<FOUR>(cb, 1);
+    for (int r = 0; r < R; ++r) {
+      acc0[r] = _mm256_fmadd_ps(block_dot(w0, w1, q + r * K + b * QB), _mm256_set1_ps(dg * dx[r * B + b]), acc0[r]);
+      tail[r] += mg * sx[r * B + b];
+    }
   }
-  return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), accm)) + tail;
+  for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(_mm256_add_ps(acc0[r], acc1[r])) + tail[r];
 }
 #endif
 
@@ -300,7 +312,10 @@ template <bool FOUR, typename S>
 void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp, const S* dp,
                 const S* mp, bool sym, float* yp) {
   const int64_t groups = K / G, row_bytes = FOUR ? K / 2 : K;
+  // rows of x in blocks of M_BLOCK (their int16 values stay in L2) when the groups are the blocks; else all at once
+  const int64_t m_step = G == QB ? M_BLOCK : std::max<int64_t>(M, 1);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+   for (int64_t r0 = 0; r0 < M; r0 += m_step) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* c = cp + n * row_bytes;
       const S *d = dp + n * groups, *m = mp ? mp + n * groups : nullptr;
@@ -314,10 +329,14 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
 #endif
 #ifdef NINFER_ROW_G32
       if (G == QB) {
-        const int64_t B = K / QB;
-        for (int64_t r = 0; r < M; ++r)
-          yp[r * N + n] = lowbit_row_g32<FOUR, S>(xr.q.data() + r * K, xr.dx.data() + r * B, xr.sx.data() + r * B,
-                                                  B, c, d, m, sym);
+        const int64_t B = K / QB, r1 = std::min(M, r0 + M_BLOCK);
+        int64_t r = r0;
+        for (; r + ROWS <= r1; r += ROWS)
+          lowbit_rows_g32<ROWS, FOUR, S>(xr.q.data() + r * K, xr.dx.data() + r * B, xr.sx.data() + r * B, K, B, c, d,
+                                         m, sym, yp + r * N + n, N);
+        for (; r < r1; ++r)
+          lowbit_rows_g32<1, FOUR, S>(xr.q.data() + r * K, xr.dx.data() + r * B, xr.sx.data() + r * B, K, B, c, d, m,
+                                      sym, yp + r * N + n, N);
         continue;
       }
 #endif
@@ -325,6 +344,7 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
       for (; r + ROWS <= M; r += ROWS) lowbit_rows<ROWS, FOUR, S>(xr, r, K, G, c, d, m, sym, yp + r * N + n, N);
       for (; r < M; ++r) lowbit_rows<1, FOUR, S>(xr, r, K, G, c, d, m, sym, yp + r * N + n, N);
     }
+   }
   });
 }
 

@@ -21,6 +21,7 @@ from engine.model.linear import Linear, use_cpu_kernel
 from engine.model.loader import load_weights
 from engine.model.registry import build_model
 from engine.runner import ModelRunner, Work
+from engine.tools.bench.cli import decode_path
 from kernels import cpu_native
 from kernels.quant import dequantize
 from tests.engine.helpers import rel_err, tiny_hf_model
@@ -88,6 +89,7 @@ def test_decode_steps_are_as_exact_as_the_eager_layers(built, kv_dtype):
     peer = forced(eager, ids, 5, pages)
     got = forced(fused, ids, 5, pages)
     assert fused.graphs.fused.steps == len(ids) - 5
+    assert decode_path(fused) == f"{len(ids) - 5}, {len(ids) - 5} of them as one C++ call (kernels/cpu_decode.cpp)"
     ours, theirs = row_err(got, want), row_err(peer, want)
     assert ours.max() < 1e-3 and ours.mean() < 1.5 * theirs.mean(), (ours.max(), ours.mean(), theirs.mean())
     assert row_err(got, peer).max() < 1e-3

@@ -170,9 +170,12 @@ def _run(args, command: str) -> int:
 
 
 def decode_path(runner) -> str:
-    """How NInfer's decode steps ran: CUDA graphs, the static forward, or (--cpu-compile step) the compiled step."""
+    """How NInfer's decode steps ran: CUDA graphs, the static forward, (--cpu-compile step) the compiled step or
+    (--cpu-compile auto on the CPU) one C++ call each."""
     graphs = runner.graphs
     path = "replayed as CUDA graphs" if graphs.capture else "through the static forward"
+    if graphs.fused is not None:
+        return f"{graphs.steps}, {graphs.fused.steps} of them as one C++ call (kernels/cpu_decode.cpp)"
     if graphs.compiled is None:
         return f"{graphs.steps} {path}"
     return f"{graphs.steps}, {graphs.compiled.steps} of them as one compiled graph (--cpu-compile step)"
