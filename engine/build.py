@@ -22,7 +22,7 @@ from engine.ledger import MIB, Ledger, ModelShape, build_ledger
 from engine.model.config import ModelConfig
 from engine.model.formats import pick_dtype, pick_kv_dtype, weight_format
 from engine.model.head import use_project_cache
-from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS, use_cpu_kernel
+from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS, dense_cpu_dtype, use_cpu_kernel
 from engine.model.registry import build_model
 from engine.model.loader import load_weights
 from engine.model.weights import Progress
@@ -157,13 +157,17 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
                           f"({ledger.page_bytes / 2**20:.2f} MiB a page).",
                           f"Raise --host-kv-mib to at least {-(-ledger.page_bytes // 2**20)}.")
     snapshots = state_snapshots(c.max_concurrency, c.max_shared_prefixes != 0)  # recurrent layers' state (the ledger's)
+    # on the CPU, --cpu-compile auto or step also takes the dense prompt path (linear.DenseScratch): float32
+    # products, about 2x the low-bit kernels' speed from 64 rows on an AVX2 CPU (docs/KERNELS.md)
+    dense_prefill = c.prefill_cublas or bool(dev.type == "cpu" and fmt and c.cpu_compile != "off")
     runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not c.host_pageable,
-                         prefill_cublas=c.prefill_cublas, cuda_graphs=c.cuda_graphs,
+                         prefill_cublas=dense_prefill, cuda_graphs=c.cuda_graphs,
                          state_slots=state_slots(c.max_concurrency, c.speculative),
                          max_batch=c.max_concurrency, cpu_step=c.cpu_compile == "step" and dev.type == "cpu",
                          cpu_fused=c.cpu_compile == "auto" and dev.type == "cpu")
-    if c.prefill_cublas:
-        log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s", PREFILL_DENSE_ROWS,
+    if dense_prefill:
+        log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s%s", PREFILL_DENSE_ROWS,
+                 f" in {str(dense_cpu_dtype()).split('.')[-1]}" if dev.type == "cpu" else "",
                  "" if fmt else " (the weights are dense: nothing to do)")
     speculator = make_speculator(c, target=net, runner=runner, tokenizer=tokenizer, target_path=path,
                                  mtp_weights=mtp_tensors)

@@ -252,15 +252,17 @@ SETTINGS: tuple[Setting, ...] = (
            "layer's float32 logits read from the file's 8-bit codes (about 4x fewer bytes per token than a float32 "
            "layer), and the decoder layers' 4- and 8-bit weights read as stored while generating (activations "
            "rounded to int16 per block of 32: finer than the bf16 of ATen's kernels), and for a llama-family model the whole "
-           "decoding step as one C++ call (about 2.5x faster decoding on the default model). "
+           "decoding step as one C++ call (about 2.5x faster decoding on the default model); prompts multiply dense "
+           "weights unpacked into one shared buffer, as --prefill-cublas does (float32 products; bf16 where the CPU "
+           "has native bf16). "
            "Needs a C++ compiler the first time (cached after); without one it falls back, with a warning, to the "
            "float32 output layer (torch.compile's kernel where that builds) and ATen's kernels. step: also compile "
            "the whole decode step of one sequence into one graph (about a minute to compile the first time, some "
            "10 s at later starts). off: the float32 output layer and ATen's kernels.",
            choices=("auto", "step", "off")),
         _s("prefill_cublas", bool, False, "While reading the prompt, low-bit weights are unpacked into a shared buffer "
-           "and multiplied as dense matrices (cuBLAS on a GPU, about 1.4x faster prompt reading on the CPU); "
-           "generating keeps the low-bit kernels."),
+           "and multiplied as dense matrices (cuBLAS on a GPU; on the CPU always on under --cpu-compile auto or "
+           "step, 1.4-2.7x faster prompt reading); generating keeps the low-bit kernels."),
         _s("prefill_chunk", int, 512, "Prompt tokens processed per step; bigger is faster but needs more memory.", minimum=16),
         _s("max_concurrency", int, 4, "Requests generated at the same time; more wait in a queue.", minimum=1, maximum=256),
     ),

@@ -5,6 +5,7 @@ as stored, without requantizing); ternary ({-1,0,+1} x group scale). The matmuls
 CUDA, ATen's int8/int4 pack kernels on the CPU."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -124,9 +125,9 @@ class DenseScratch:
     """--prefill-cublas: a low-bit layer computing at least `min_rows` rows (a prefill chunk) dequantizes its weight
     into a buffer shared by every layer of the model and runs a dense matmul (cuBLAS on CUDA, oneDNN/BLAS on the
     CPU); fewer rows (decode) keep the low-bit GEMV. The buffers are sized for the largest layer, allocated at the
-    first chunk and then reused: no dequantized copy of any layer is kept. On the CPU the weight is dequantized exactly in float32, then rounded
-    to the compute dtype (bf16 for float32 activations, as the CPU low-bit kernels compute: dispatch.CPU_COMPUTE_DTYPE;
-    measured 1.2-2.2x faster than those kernels from 64 rows, docs/KERNELS.md). Where Triton runs (CUDA) the Triton
+    first chunk and then reused: no dequantized copy of any layer is kept. On the CPU the weight is dequantized exactly
+    in float32 and multiplied in float32, or rounded to bf16 where the CPU multiplies bf16 natively (dense_cpu_dtype;
+    measured 1.2-2.2x faster than the low-bit kernels from 64 rows, docs/KERNELS.md). Where Triton runs (CUDA) the Triton
     dequantize kernel writes a fresh tensor instead (it has no out= argument): freed after the matmul, its block is
     handed to the next layer of that shape by the caching allocator."""
 
@@ -153,11 +154,17 @@ class DenseScratch:
         return w if dtype == torch.float32 else self._buffer(dtype, qw.shape, qw.device).copy_(w)
 
     def linear(self, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        cd = x.dtype
-        if x.device.type == "cpu" and x.dtype == torch.float32 and dispatch.CPU_COMPUTE_DTYPE is not None:
-            cd = dispatch.CPU_COMPUTE_DTYPE
+        cd = dense_cpu_dtype() if x.device.type == "cpu" and x.dtype == torch.float32 else x.dtype
         y = F.linear(x.to(cd), self.weight(qw, cd)).to(x.dtype)
         return y if bias is None else y + bias.to(y.dtype)
+
+
+@functools.cache
+def dense_cpu_dtype() -> torch.dtype:
+    """What the CPU's dense prefill multiplies float32 activations in: bf16 where oneDNN runs bf16 matmuls natively
+    (AVX-512 BF16, AMX), else float32: on an AVX2 CPU a bf16 matmul is emulated and ~5x slower than float32
+    (docs/KERNELS.md), and float32 is exact."""
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
 
 
 def enable_dense_prefill(model, min_rows: int) -> DenseScratch:

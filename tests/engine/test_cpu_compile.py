@@ -1,13 +1,13 @@
 """--cpu-compile on the default model: the compiled output layer (engine/model/head.py) against the dense float32
 one (--cpu-compile off): identical greedy tokens, logits equal within 1e-5 relative. The decoder layers of both
 decode through the same C++ kernel (auto marks them; the off engine's are marked here), so the output layer is the
-only difference."""
+only difference (the off engine also gets auto's dense prompt path here)."""
 import pytest
 import torch
 
 from engine.build import build_engine
 from engine.model.head import CompiledHead
-from engine.model.linear import Linear, use_cpu_kernel
+from engine.model.linear import PREFILL_DENSE_ROWS, Linear, enable_dense_prefill, use_cpu_kernel
 from engine.runner import Work
 from engine.sampling import SamplingParams
 
@@ -17,7 +17,9 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a lo
 @pytest.fixture(scope="module")
 def engines():
     made = {mode: build_engine(None, cpu_compile=mode, max_concurrency=1, max_context=1024) for mode in ("auto", "off")}
-    use_cpu_kernel(made["off"].engine.runner.model)
+    off = made["off"].engine.runner
+    use_cpu_kernel(off.model)  # auto's decode kernel and dense prompt path, so that the output layer is the difference
+    off.dense_prefill = enable_dense_prefill(off.model, PREFILL_DENSE_ROWS)
     for le in made.values():
         le.engine.start()
     yield made

@@ -4,7 +4,7 @@ the same greedy tokens, and no memory per layer."""
 import pytest
 import torch
 
-from engine.model.linear import PREFILL_DENSE_ROWS, DenseScratch, Linear
+from engine.model.linear import PREFILL_DENSE_ROWS, DenseScratch, Linear, dense_cpu_dtype
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_weights
 from engine.runner import ModelRunner, Work
@@ -12,8 +12,8 @@ from engine.sampling import SamplingParams
 from kernels.quant import QuantizedWeight, dequantize, quantize
 from tests.engine.helpers import PAGE, make_engine, tiny_hf_model
 
-# Both paths compute in bf16 on the CPU (the low-bit kernels round activations, scales and zeros to bf16, the dense
-# path activations and the dequantized weight): their logits differ by bf16 rounding. Measured (relative Frobenius
+# The low-bit kernels round activations, scales and zeros to bf16; the dense path multiplies in bf16 where the CPU
+# does so natively, else in float32 (exact products, linear.dense_cpu_dtype): their logits differ by bf16 rounding. Measured (relative Frobenius
 # error of the logits): tiny random models 1.3% (int8, int4), 0 (ternary: both round the same +-scale); SmolLM2
 # (int4, a 300-token prompt) 2.0%, argmax the same at 99.3% of positions (for scale: the low-bit path itself is
 # 1.5% from the same dense matmul in float32). Bound 3%; the argmax agrees wherever the top two logits are 0.5 apart (largest difference seen: 1.0).
@@ -64,7 +64,7 @@ def test_tiny_model_prefill_logits_agree(tmp_path, fmt, one_thread):
 
 
 def test_scratch_is_shared_and_reused(tmp_path, monkeypatch, one_thread):
-    """One float32 and one bf16 buffer for the whole model, sized for its largest layer, allocated once; chunks under
+    """One float32 buffer (and one bf16 where the CPU multiplies bf16 natively) for the whole model, sized for its largest layer, allocated once; chunks under
     PREFILL_DENSE_ROWS rows (decode) never touch it; no dequantized weight is kept on any layer."""
     model = tiny_model(tmp_path, "int4")
     runner = ModelRunner(model, 8, torch.float32, PAGE, prefill_cublas=True)
@@ -78,14 +78,15 @@ def test_scratch_is_shared_and_reused(tmp_path, monkeypatch, one_thread):
     runner.run([Work(list(range(PREFILL_DENSE_ROWS - 1)), 0, pages)])  # below the threshold: the low-bit path
     assert not calls and scratch.grown == 0
     runner.run([Work(list(range(100, 100 + 2 * PREFILL_DENSE_ROWS)), 0, pages)])
-    assert len(calls) == len(linears) and scratch.grown == 2
+    dtypes = {torch.float32, dense_cpu_dtype()}  # float32, and bf16 where this CPU multiplies bf16 natively
+    assert len(calls) == len(linears) and scratch.grown == len(dtypes)
     biggest = max(lin.weight.out_features * lin.weight.in_features for lin in linears)
     assert {b.numel() for b in scratch.buffers.values()} == {biggest}
-    assert set(scratch.buffers) == {torch.float32, torch.bfloat16}
+    assert set(scratch.buffers) == dtypes
     for step in range(3):  # later chunks and decode steps allocate nothing more
         runner.run([Work(list(range(PREFILL_DENSE_ROWS)), 0, pages)])
         runner.run([Work([5], PREFILL_DENSE_ROWS + step, pages)])
-    assert scratch.grown == 2 and len(calls) == 4 * len(linears)
+    assert scratch.grown == len(dtypes) and len(calls) == 4 * len(linears)
     assert all(not lin.weight.cache or all("dense" not in str(k) for k in lin.weight.cache) for lin in linears)
 
 
