@@ -14,7 +14,7 @@ import logging
 import torch
 
 from engine.model.head import embed_rows
-from engine.model.llama import DecoderLayer
+from engine.model.llama import DecoderLayer, LlamaModel
 from kernels import cpu_native
 from kernels.quant import QuantizedWeight
 
@@ -27,8 +27,9 @@ def why_not(model, kv) -> str | None:
     """None when `model` on cache `kv` decodes through decode_step; else why not (for the load log)."""
     if not cpu_native.loaded():
         return "the C++ kernels are not loaded"
-    if not all(isinstance(layer, DecoderLayer) for layer in getattr(model, "layers", [None])):
-        return f"{type(model).__name__} has layers other than llama-family attention layers"
+    # exact types: a subclass may change what a layer or the final norm computes (the C++ step would not know)
+    if type(model) is not LlamaModel or any(type(layer) is not DecoderLayer for layer in model.layers):
+        return f"{type(model).__name__} is not a llama-family decoder of plain attention layers"
     if model.dtype != torch.float32:
         return f"the activations are {model.dtype}, not float32"
     for layer in model.layers:
