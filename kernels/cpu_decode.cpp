@@ -12,8 +12,7 @@ enum { IN_NORM, POST_NORM, QKV, QKV_S, QKV_M, QKV_B, O, O_S, O_M, O_B, GU, GU_S,
        K_NORM };
 constexpr int64_t CHUNK = 64;  // tokens of one attention task
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define NINFER_DECODE_AVX2 1
+#ifdef NINFER_AVX2_F16C  // cpu_native.cpp's: AVX2, FMA and F16C
 // e^x for x <= 0 (scores minus their max, -gate of SiLU clamped): 2^n times a degree-6 polynomial on |r| <= ln2/2
 // (Cephes' expf coefficients), within 2 ulp of expf
 inline __m256 exp8(__m256 x) {
@@ -49,7 +48,7 @@ inline void store_kv(T* dst, const float* src, int64_t n) {
 // e^x of n floats in place
 inline void exp_inplace(float* x, int64_t n) {
   int64_t i = 0;
-#ifdef NINFER_DECODE_AVX2
+#ifdef NINFER_AVX2_F16C
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
 #endif
   for (; i < n; ++i) x[i] = std::exp(x[i]);
@@ -57,7 +56,7 @@ inline void exp_inplace(float* x, int64_t n) {
 
 template <typename T>
 inline float dot_kv(const float* q, const T* k, int64_t d) {
-#ifdef NINFER_DECODE_AVX2
+#ifdef NINFER_AVX2_F16C
   __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= d; i += 16) {
@@ -82,7 +81,7 @@ struct Shape {
 template <typename T>
 inline void weighted_sum(const float* p, const T* v, int64_t n, int64_t stride, int64_t D, float* acc) {
   int64_t d0 = 0;
-#ifdef NINFER_DECODE_AVX2
+#ifdef NINFER_AVX2_F16C
   for (; d0 + 64 <= D; d0 += 64) {
     __m256 a[8];
     for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);

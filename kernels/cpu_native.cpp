@@ -257,7 +257,7 @@ void lowbit_rows(const Rows& xr, int64_t row0, int64_t K, int64_t G, const uint8
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define NINFER_ROW_G32 1
+#define NINFER_AVX2_F16C 1
 template <typename S>
 inline __m256 load8(const S* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
 template <>
@@ -327,7 +327,7 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
         if (mp) _mm_prefetch(reinterpret_cast<const char*>(mp + (n + PREFETCH) * groups), _MM_HINT_T0);
       }
 #endif
-#ifdef NINFER_ROW_G32
+#ifdef NINFER_AVX2_F16C
       if (G == QB) {
         const int64_t B = K / QB, r1 = std::min(M, r0 + M_BLOCK);
         int64_t r = r0;

@@ -37,8 +37,6 @@ def why_not(model, kv) -> str | None:
             w = getattr(layer, name).weight
             if not (isinstance(w, QuantizedWeight) and w.cache.get("lowbit_native")):
                 return "not every linear weight of the layers is one the C++ decode kernel reads"
-        if getattr(layer, "o").bias is not None and getattr(layer, "o").bias.dtype != torch.float32:
-            return "a bias is not float32"
     fmt = kv.format
     if fmt.k.quantized or fmt.v.quantized or fmt.k.rotate or kv.k[0].dtype not in (torch.float32, torch.float16):
         return f"the KV cache is {kv.kv_dtype} (float32 and float16 are read in C++)"

@@ -195,7 +195,7 @@ def use_cpu_kernel(model) -> str | None:
                     if not (isinstance(k, tuple) and k[0] == "cpu_linear")}
         qw.cache["lowbit_native"] = True
     return (f"{len(taken)} of {len(linears)} low-bit weights decode through the C++ kernel (activations rounded to "
-            f"int16 per block of 32); prompts through ATen's kernels")
+            f"int16 per block of 32)")
 
 
 class Linear:

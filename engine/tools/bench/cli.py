@@ -61,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                    help="NInfer only: decode steps replayed as CUDA graphs (auto: on with CUDA and Triton)")
     p.add_argument("--cpu-compile", choices=("auto", "step", "off"), default="auto",
-                   help="NInfer only: a low-bit model's CPU C++ kernels, for the output layer and the layers' decode "
-                        "(auto), with the whole decode step of one sequence as one graph (step), or none: dense "
-                        "float32 output layer and ATen's kernels (off)")
+                   help="NInfer only: a low-bit model's CPU paths: C++ kernels for the output layer and the decode "
+                        "step (one C++ call a step for a llama-family model), dense prompts (auto); the same with the "
+                        "decode step of one sequence as one compiled graph (step); or a dense float32 output layer "
+                        "and ATen's kernels (off)")
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="NInfer only: also profile N decode steps by operator, ATen and the project's C++ kernels "
                         "(torch.profiler)")
