@@ -1,8 +1,10 @@
 // CPU kernels built for the machine they run on (kernels/cpu_native.py).
 //
 // q8_linear: y = x @ W.T in float32 for grouped int8 weights, W = c * d (+ m): codes c int8 [N, K], scales d (and
-// mins m) float32 [N, K / G]. The twin is kernels.reference.quant_linear_ref with float32 activations: only the
-// summation order differs from a float32 matmul over the dequantized weight.
+// mins m) float32 [N, K / G]. The twin is kernels.reference.quant_linear_ref with float32 activations: the result is a
+// float32 matmul over the dequantized weight up to summation order. With AVX2 it runs as lowbit_linear over each row
+// of x rounded twice (the values, then what their rounding left): x is then held to about 2^-32 of each block's
+// largest value, finer than float32's own rounding of the products, and each weight is read once for both.
 //
 // lowbit_linear: y = x @ W.T for 4-bit (uint8 [N, K / 2], element 2j in the low nibble of byte j, 2j+1 in the high)
 // or grouped int8 codes (int8 [N, K]), W = c * d + m (4-bit symmetric: (c - 8) * d), scales and mins float32 or
@@ -83,38 +85,6 @@ void dot_rows(const float* x, int64_t K, int64_t G, const int8_t* c, const float
 }
 constexpr int64_t BLOCK = 1;
 #endif
-
-at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& mins) {
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "q8_linear: x must be float32 [M, K]");
-  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
-              "q8_linear: codes must be contiguous int8 [N, K]");
-  const auto x = x_.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.size(1) == K && scales.dim() == 2 && scales.size(0) == N && K % scales.size(1) == 0,
-              "q8_linear: shapes of x, codes and scales disagree");
-  const int64_t G = K / scales.size(1);
-  TORCH_CHECK(G % BLOCK == 0, "q8_linear: the group size must be a multiple of ", BLOCK);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "q8_linear: scales: float32");
-  TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat &&
-                        mins->is_contiguous()), "q8_linear: mins: float32 like the scales");
-  auto y = at::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *dp = scales.data_ptr<float>();
-  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
-  const int8_t* cp = codes.data_ptr<int8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t groups = K / G;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* c = cp + n * K;
-      const float *d = dp + n * groups, *m = mp ? mp + n * groups : nullptr;
-      int64_t r = 0;
-      for (; r + ROWS <= M; r += ROWS) dot_rows<ROWS>(xp + r * K, K, G, c, d, m, yp + r * N + n, N);
-      for (; r < M; ++r) dot_rows<1>(xp + r * K, K, G, c, d, m, yp + r * N + n, N);
-    }
-  });
-  return y;
-}
 
 // ---------------------------------------------------------------------------------------------------- lowbit_linear
 constexpr int64_t QB = 32;  // activations rounded per block of this many values
@@ -334,6 +304,9 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
         for (; r + ROWS <= r1; r += ROWS)
           lowbit_rows_g32<ROWS, FOUR, S>(xr.q.data() + r * K, xr.dx.data() + r * B, xr.sx.data() + r * B, K, B, c, d,
                                          m, sym, yp + r * N + n, N);
+        for (; r + 2 <= r1; r += 2)
+          lowbit_rows_g32<2, FOUR, S>(xr.q.data() + r * K, xr.dx.data() + r * B, xr.sx.data() + r * B, K, B, c, d, m,
+                                      sym, yp + r * N + n, N);
         for (; r < r1; ++r)
           lowbit_rows_g32<1, FOUR, S>(xr.q.data() + r * K, xr.dx.data() + r * B, xr.sx.data() + r * B, K, B, c, d, m,
                                       sym, yp + r * N + n, N);
@@ -390,6 +363,72 @@ at::Tensor lowbit_linear(const at::Tensor& x_, const at::Tensor& codes, const at
   check_lowbit(x.size(1), codes, scales, mins, sym);
   auto y = at::empty({x.size(0), codes.size(0)}, x.options());
   lowbit_into(x.data_ptr<float>(), x.size(0), x.size(1), codes, scales, mins, sym, y.data_ptr<float>());
+  return y;
+}
+
+#ifdef NINFER_AVX2_F16C
+// y [M, N] = x @ W.T for int8 codes with float32 scales (and mins), each row of x as two rows of lowbit_all: its
+// rounding to int16 and the rounding of what that left (whose block sums are zero, so the mins meet x's sums once)
+void twice_rounded_into(const float* x, int64_t M, int64_t K, const at::Tensor& codes, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, float* yp) {
+  const int64_t N = codes.size(0), G = K / scales.size(1), B = K / QB;
+  thread_local Rows once, xr;
+  thread_local std::vector<float> both, y2;
+  round_rows(x, M, K, false, once);
+  both.resize(2 * M * K);
+  for (int64_t i = 0; i < M; ++i) {
+    float *hi = both.data() + 2 * i * K, *lo = hi + K;
+    for (int64_t k = 0; k < K; ++k) {
+      hi[k] = x[i * K + k];
+      lo[k] = x[i * K + k] - static_cast<float>(once.q[i * K + k]) * once.dx[i * B + k / QB];
+    }
+  }
+  round_rows(both.data(), 2 * M, K, false, xr);
+  for (int64_t i = 0; i < M; ++i) std::fill_n(xr.sx.data() + (2 * i + 1) * B, B, 0.f);
+  y2.resize(2 * M * N);
+  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
+  lowbit_all<false>(xr, 2 * M, K, N, G, static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(), mp,
+                    false, y2.data());
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t n = 0; n < N; ++n) yp[i * N + n] = y2[2 * i * N + n] + y2[(2 * i + 1) * N + n];
+}
+#endif
+
+at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& mins) {
+  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat, "q8_linear: x must be float32 [M, K]");
+  TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_contiguous(),
+              "q8_linear: codes must be contiguous int8 [N, K]");
+  const auto x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && scales.dim() == 2 && scales.size(0) == N && K % scales.size(1) == 0,
+              "q8_linear: shapes of x, codes and scales disagree");
+  const int64_t G = K / scales.size(1);
+  TORCH_CHECK(G % BLOCK == 0, "q8_linear: the group size must be a multiple of ", BLOCK);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), "q8_linear: scales: float32");
+  TORCH_CHECK(!mins || (mins->sizes() == scales.sizes() && mins->scalar_type() == at::kFloat &&
+                        mins->is_contiguous()), "q8_linear: mins: float32 like the scales");
+  auto y = at::empty({M, N}, x.options());
+#ifdef NINFER_AVX2_F16C
+  if (K <= QB * MAX_BLOCKS) {
+    twice_rounded_into(x.data_ptr<float>(), M, K, codes, scales, mins, y.data_ptr<float>());
+    return y;
+  }
+#endif
+  const float *xp = x.data_ptr<float>(), *dp = scales.data_ptr<float>();
+  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t groups = K / G;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* c = cp + n * K;
+      const float *d = dp + n * groups, *m = mp ? mp + n * groups : nullptr;
+      int64_t r = 0;
+      for (; r + ROWS <= M; r += ROWS) dot_rows<ROWS>(xp + r * K, K, G, c, d, m, yp + r * N + n, N);
+      for (; r < M; ++r) dot_rows<1>(xp + r * K, K, G, c, d, m, yp + r * N + n, N);
+    }
+  });
   return y;
 }
 

@@ -35,6 +35,22 @@ def test_q8_linear_equals_the_float32_matmul_for_every_row_count(native, out, k,
                                atol=1e-5 * want.abs().max().item())
 
 
+def test_q8_linear_keeps_float32_precision_beside_an_outlier(native):
+    """A hidden state with one large value (as real ones have): one int16 rounding per block would leave the output
+    layer's logits ~1e-5 of the largest from the exact products; the twice-rounded rows must stay within 1e-6, as
+    close as a float32 matmul over the dequantized weight."""
+    qw = grouped(4096, 576, 32, False)
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(7))
+    x[:, 5] = 60.0
+    exact = x.double() @ dequantize(qw, torch.float64).T
+    scale = exact.abs().max().item()
+    got = cpu_native.q8_linear(x, qw).double()
+    dense = (x @ dequantize(qw, torch.float32).T).double()
+    assert (got - exact).abs().max().item() <= max(1e-6 * scale, 2 * (dense - exact).abs().max().item())
+    once = lowbit_linear_ref(x, qw).double()  # what a single rounding gives: the bound above must be meaningful
+    assert (once - exact).abs().max().item() > 2e-6 * scale
+
+
 def test_q8_linear_refuses_what_it_cannot_read(native):
     qw = grouped(64, 64, 32, False)
     with pytest.raises(RuntimeError, match="float32"):
