@@ -74,6 +74,7 @@ def test_bench_compare_transformers_tiny_folder(tmp_path, capsys):
     row = next(line for line in text.splitlines() if line.startswith("| decode tok/s"))
     assert row.count("-") == 0  # both columns and the ratio are filled
     assert result["machine"]["decode steps"] == "10 through the static forward"  # 2 runs (warm-up + 1) x 5 steps
+    assert result["machine"]["ninfer KV"] == "fp32"  # transformers' cache is --dtype: so is NInfer's
 
 
 def test_bench_says_its_decode_steps_ran_as_the_compiled_step(tmp_path, capsys):
@@ -98,6 +99,17 @@ def test_helpers():
     r = ratios(dict(ttft_s=1.0, prefill_tps=10, decode_tps=4, decode_gbps=2),
                dict(ttft_s=2.0, prefill_tps=5, decode_tps=2, decode_gbps=1))
     assert r == dict(ttft_s=2.0, prefill_tps=2.0, decode_tps=2.0, decode_gbps=2.0)
+
+
+def test_kv_dtype_follows_the_peer_unless_given():
+    from argparse import Namespace
+
+    from engine.tools.bench.cli import kv_dtype
+
+    assert kv_dtype(Namespace(kv_dtype="same", compare="llama.cpp", dtype="fp32")) == "fp16"
+    assert kv_dtype(Namespace(kv_dtype="same", compare="transformers", dtype="bf16")) == "bf16"
+    assert kv_dtype(Namespace(kv_dtype="same", compare="none", dtype="fp32")) == "fp32"
+    assert kv_dtype(Namespace(kv_dtype="fp32", compare="llama.cpp", dtype="fp32")) == "fp32"
 
 
 def test_bad_arguments():

@@ -96,6 +96,7 @@ def test_compare_llamacpp_reports_the_peer_under_its_name(tmp_path, monkeypatch,
     result = json.loads(out.read_text())
     assert result["peer"] == "llama.cpp" and "transformers" not in result
     assert result["llama.cpp"]["tokens"] == [10, 11, 12, 13] and set(result["ratio"]) >= {"decode_tps", "ttft_s"}
+    assert result["machine"]["ninfer KV"] == "fp16"  # the peer's f16 cache, like for like (--kv-dtype same)
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.startswith("| metric"))
     assert "llama.cpp" in header

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-dtype", choices=("same", "auto", "int8", "int4"), default="same",
                    help="NInfer's weights: same = --dtype (like for like); auto = as the GGUF stores them (Q4_1 -> "
                         "int4); transformers always runs --dtype")
+    p.add_argument("--kv-dtype", choices=("same", "fp32", "fp16", "bf16"), default="same",
+                   help="NInfer's KV cache: same = as the peer keeps it (transformers: --dtype; llama.cpp: fp16, its "
+                        "default f16 cache); or this format")
     p.add_argument("--compare", choices=("transformers", "llama.cpp", "none"), default="transformers",
                    help="the peer measured in the same run (llama.cpp: needs llama-cpp-python and a GGUF model)")
     p.add_argument("--json", type=Path, default=None, help="write all results to this JSON file")
@@ -99,7 +102,7 @@ def _run(args, command: str) -> int:
     try:
         weights = args.dtype if args.weight_dtype == "same" else args.weight_dtype
         spec = dict(spec=args.spec, draft_model=args.draft_model, draft_tokens=args.draft_tokens) if args.spec else {}
-        loaded = build_engine(args.model, device=args.device, weight_dtype=weights, kv_dtype=args.dtype,
+        loaded = build_engine(args.model, device=args.device, weight_dtype=weights, kv_dtype=kv_dtype(args),
                               max_concurrency=1, threads=args.threads,
                               max_context=args.max_context or (4096 if args.spec else 0),
                               max_shared_prefixes="auto" if args.warm_prefix else 0,  # else: every run prefills
@@ -168,6 +171,14 @@ def _run(args, command: str) -> int:
                       **({"peer_error": peer_error} if peer_error else {}))
         args.json.write_text(json.dumps(result, indent=2))
     return 1 if peer_error else 0
+
+
+def kv_dtype(args) -> str:
+    """NInfer's KV format: --kv-dtype, or with `same` the peer's (llama.cpp keeps an f16 cache by default;
+    transformers keeps --dtype)."""
+    if args.kv_dtype != "same":
+        return args.kv_dtype
+    return "fp16" if args.compare == "llama.cpp" else args.dtype
 
 
 def decode_path(runner) -> str:
