@@ -432,6 +432,87 @@ at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Te
   return y;
 }
 
+// ---------------------------------------------------------------------------------------------------- dequantize_into
+// out [N, K] float32 = the weight lowbit_linear reads (codes, scales, mins as check_lowbit takes them), with
+// kernels.quant.dequantize's float32 operations in its order: (c - offset) * d, then + m, each rounded (never fused
+// into one multiply-add: the dense prompt path must see exactly the weight the file gives)
+#pragma STDC FP_CONTRACT OFF
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+template <typename S>
+void dequant_rows(const uint8_t* cp, const S* dp, const S* mp, bool four, bool sym, int64_t K, int64_t G, int64_t n0,
+                  int64_t n1, float* out) {
+  const int64_t groups = K / G, row_bytes = four ? K / 2 : K;
+  const float offset = sym ? 8.f : 0.f;
+  std::vector<float> c(G);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = cp + n * row_bytes;
+    for (int64_t g = 0; g < groups; ++g) {
+#if defined(__AVX2__)
+      const __m256 dv = _mm256_set1_ps(as_float(dp[n * groups + g])), off = _mm256_set1_ps(offset);
+      const __m256 mv = _mm256_set1_ps(mp ? as_float(mp[n * groups + g]) : 0.f);
+      for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+        __m128i e[2];  // the 32 codes in order, as bytes
+        if (four) {
+          const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)), mask = _mm_set1_epi8(0x0F);
+          const __m128i lo = _mm_and_si128(p, mask), hi = _mm_and_si128(_mm_srli_epi16(p, 4), mask);
+          e[0] = _mm_unpacklo_epi8(lo, hi), e[1] = _mm_unpackhi_epi8(lo, hi);
+        } else {
+          e[0] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+          e[1] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16));
+        }
+        for (int i = 0; i < 4; ++i) {
+          const __m128i b = i & 1 ? _mm_srli_si128(e[i / 2], 8) : e[i / 2];
+          __m256 v = _mm256_cvtepi32_ps(four ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b));
+          v = _mm256_mul_ps(_mm256_sub_ps(v, off), dv);
+          if (mp) v = _mm256_add_ps(v, mv);
+          _mm256_storeu_ps(out + n * K + k + 8 * i, v);
+        }
+      }
+      continue;
+#endif
+      for (int64_t j = 0; j < G; ++j) {
+        const int64_t k = g * G + j;
+        c[j] = four ? static_cast<float>((row[k / 2] >> (4 * (k & 1))) & 15) - offset
+                    : static_cast<float>(static_cast<int8_t>(row[k]));
+      }
+      const float d = as_float(dp[n * groups + g]);
+      float* o = out + n * K + g * G;
+      for (int64_t j = 0; j < G; ++j) o[j] = c[j] * d;
+      if (mp) {
+        const float m = as_float(mp[n * groups + g]);
+        for (int64_t j = 0; j < G; ++j) o[j] = o[j] + m;
+      }
+    }
+  }
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
+at::Tensor dequantize_into(const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                           bool sym, at::Tensor out) {
+  const bool four = codes.scalar_type() == at::kByte;
+  const int64_t N = codes.size(0), K = codes.size(1) * (four ? 2 : 1);
+  check_lowbit(K, codes, scales, mins, sym);
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
+              out.size(1) == K, "dequantize_into: out must be contiguous float32 [N, K]");
+  const int64_t G = K / scales.size(1);
+  const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    if (scales.scalar_type() == at::kFloat)
+      dequant_rows(cp, scales.data_ptr<float>(), mins ? mins->data_ptr<float>() : nullptr, four, sym, K, G, n0, n1,
+                   op);
+    else
+      dequant_rows(cp, scales.data_ptr<at::Half>(), mins ? mins->data_ptr<at::Half>() : nullptr, four, sym, K, G, n0,
+                   n1, op);
+  });
+  return out;
+}
+
 // y = x * rsqrt(mean(x^2) + eps) * w for one row of D floats
 inline void rms_row(const float* x, const float* w, int64_t D, float eps, float* y) {
   float s = 0.f;
@@ -465,6 +546,8 @@ TORCH_LIBRARY(ninfer_cpu, m) {
   m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
   m.def("lowbit_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, bool sym) -> Tensor");
   m.impl("lowbit_linear", c10::DispatchKey::CPU, &lowbit_linear);
+  m.def("dequantize_into(Tensor codes, Tensor scales, Tensor? mins, bool sym, Tensor(a!) out) -> Tensor(a!)");
+  m.impl("dequantize_into", c10::DispatchKey::CPU, &dequantize_into);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
 }

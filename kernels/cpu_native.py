@@ -93,6 +93,7 @@ def ready() -> str | None:
         _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
         _state["lowbit"] = torch.ops.ninfer_cpu.lowbit_linear.default
         _state["rms_norm"] = torch.ops.ninfer_cpu.rms_norm.default
+        _state["dequantize"] = torch.ops.ninfer_cpu.dequantize_into.default
         _state["decode_step"] = torch.ops.ninfer_cpu.decode_step.default
         _register_shapes()
     except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
@@ -136,6 +137,11 @@ def lowbit_op():
 def lowbit_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """[M, K] float32 -> [M, N] float32; `ready()` must have returned None and `lowbit_supported(qw)` be true."""
     return _state["lowbit"](x, qw.qweight, qw.scales, qw.mins, qw.format == "int4_sym")
+
+
+def dequantize_into(qw: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
+    """kernels.quant.dequantize(qw, out=out) in one pass (the same float32 values); `lowbit_supported(qw)`."""
+    return _state["dequantize"](qw.qweight, qw.scales, qw.mins, qw.format == "int4_sym", out)
 
 
 def _register_shapes() -> None:

@@ -188,3 +188,33 @@ def test_rms_norm_equals_atens(native):
         torch.testing.assert_close(got, F.rms_norm(x, (shape[-1],), w, 1e-6), rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="float32"):
         cpu_native.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-6)
+
+
+@pytest.mark.parametrize("fmt,group,scale_dtype", [("int4_asym", 32, torch.float16), ("int4_sym", 32, torch.float16),
+                                                   ("int4_asym", 64, torch.float32), ("int8", 32, torch.float32),
+                                                   ("int8", 128, torch.float32)])
+def test_dequantize_into_gives_exactly_the_weight_quant_dequantize_gives(native, fmt, group, scale_dtype):
+    """The dense prompt path's dequantization (one C++ pass) must be bit-identical to kernels.quant.dequantize: the
+    prompt's matmul then multiplies exactly the weight the file gives."""
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(group)) * 0.1
+    qw = quantize(w, fmt, group)
+    qw = QuantizedWeight(qw.format, qw.qweight, qw.scales.to(scale_dtype),
+                         None if qw.mins is None else qw.mins.to(scale_dtype), qw.group_size, qw.shape)
+    assert cpu_native.lowbit_supported(qw)
+    out = torch.full(qw.shape, float("nan"))
+    assert cpu_native.dequantize_into(qw, out) is out
+    assert torch.equal(out, dequantize(qw, torch.float32))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_native.dequantize_into(qw, torch.empty(qw.shape, dtype=torch.float64))
+
+
+def test_dense_prompts_dequantize_through_the_cpp_pass(native, monkeypatch):
+    from engine.model.linear import DenseScratch
+
+    calls = []
+    real = cpu_native.dequantize_into
+    monkeypatch.setattr(cpu_native, "dequantize_into", lambda qw, out: calls.append(qw.shape) or real(qw, out))
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: False)  # as without TRITON_INTERPRET (the suite sets it)
+    qw = quantize(torch.randn(64, 128), "int4_sym", 32)
+    scratch = DenseScratch(min_rows=4)
+    assert torch.equal(scratch.weight(qw, torch.float32), dequantize(qw, torch.float32)) and calls == [(64, 128)]
