@@ -117,6 +117,16 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return torch.bmm(probs if v.dtype == torch.float32 else probs.to(v.dtype), v).view(hq, length, d)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         causal: bool = False) -> torch.Tensor:
+    """SDPA of q [Hq, L, D] over k/v [Hkv, ctx, D] (GQA), mask [L, ctx] (True = may attend) or causal. Given a batch
+    dimension, the CPU takes its flash kernel (4x faster for a 512-token chunk than the math path it takes for
+    3-D tensors)."""
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale,
+                                       enable_gqa=True)
+    return o[0]
+
+
 def static_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch,
                            scale: float) -> torch.Tensor:
     """Attention of a decode step (engine/model/graphs.py), q/k/v [B, H, D], one token per row: writes k/v to the
@@ -149,10 +159,9 @@ def _plain_rows(cache, layer: int, q: torch.Tensor, s, scale: float) -> torch.Te
     if s.q_len <= FEW_QUERIES:
         o = grouped_attention(qs, kt, vt, None if s.q_len == 1 else s.causal_mask(q.device), scale)
     elif s.q_len == s.ctx_len:
-        o = F.scaled_dot_product_attention(qs, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        o = sdpa(qs, kt, vt, None, scale, causal=True)
     else:
-        o = F.scaled_dot_product_attention(qs, kt, vt, attn_mask=s.causal_mask(q.device), scale=scale,
-                                           enable_gqa=True)
+        o = sdpa(qs, kt, vt, s.causal_mask(q.device), scale)
     return o.transpose(0, 1)
 
 
@@ -181,7 +190,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             if s.q_len <= FEW_QUERIES:
                 o = grouped_attention(qt, kt, vt, mask, scale)
             else:
-                o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+                o = sdpa(qt, kt, vt, mask, scale)
             rows = o.transpose(0, 1)
         elif s.q_len == 1 and dispatch.use_triton(q.device):
             # one token on CUDA (a verification or mixed step): the Triton kernel reads the pages in place, float or
