@@ -166,6 +166,20 @@ inline __m256i codes16(const uint8_t* c, int h) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c) + h));
 }
 
+// both halves of a block's codes: for 4-bit codes one widening of the 16 bytes, then the low nibbles (the evens)
+// and the high ones (the odds), as codes16 gives them with one shuffle fewer
+template <bool FOUR>
+inline void codes16x2(const uint8_t* c, __m256i& w0, __m256i& w1) {
+  if (FOUR) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
+    w0 = _mm256_and_si256(b, _mm256_set1_epi16(0x0F));
+    w1 = _mm256_srli_epi16(b, 4);
+  } else {
+    w0 = codes16<false>(c, 0);
+    w1 = codes16<false>(c, 1);
+  }
+}
+
 // one block's 32 integer products, summed in 8 int32 lanes and converted to float
 inline __m256 block_dot(__m256i w0, __m256i w1, const int16_t* q) {
   const __m256i* p = reinterpret_cast<const __m256i*>(q);
@@ -187,8 +201,10 @@ void lowbit_rows(const Rows& xr, int64_t row0, int64_t K, int64_t G, const uint8
   for (int r = 0; r < R; ++r) v0[r] = v1[r] = _mm256_setzero_ps();
   int64_t b = 0;
   for (; b + 2 <= B; b += 2) {
-    const __m256i w0 = codes16<FOUR>(c + b * bytes, 0), w1 = codes16<FOUR>(c + b * bytes, 1);
-    const __m256i u0 = codes16<FOUR>(c + (b + 1) * bytes, 0), u1 = codes16<FOUR>(c + (b + 1) * bytes, 1);
+    __m256i w0, w1;
+    codes16x2<FOUR>(c + b * bytes, w0, w1);
+    __m256i u0, u1;
+    codes16x2<FOUR>(c + (b + 1) * bytes, u0, u1);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (row0 + r) * B + b;
       v0[r] = _mm256_fmadd_ps(block_dot(w0, w1, xr.q.data() + i * QB), _mm256_set1_ps(ds[b] * xr.dx[i]), v0[r]);
@@ -197,7 +213,8 @@ void lowbit_rows(const Rows& xr, int64_t row0, int64_t K, int64_t G, const uint8
     }
   }
   if (b < B) {
-    const __m256i w0 = codes16<FOUR>(c + b * bytes, 0), w1 = codes16<FOUR>(c + b * bytes, 1);
+    __m256i w0, w1;
+    codes16x2<FOUR>(c + b * bytes, w0, w1);
     for (int r = 0; r < R; ++r) {
       const int64_t i = (row0 + r) * B + b;
       v0[r] = _mm256_fmadd_ps(block_dot(w0, w1, xr.q.data() + i * QB), _mm256_set1_ps(ds[b] * xr.dx[i]), v0[r]);
@@ -254,8 +271,10 @@ void lowbit_rows_g32(const int16_t* q, const float* dx, const float* sx, int64_t
     }
     for (int j = 0; j < 8; j += 2) {
       const uint8_t* cb = c + (b + j) * bytes;
-      const __m256i w0 = codes16<FOUR>(cb, 0), w1 = codes16<FOUR>(cb, 1);
-      const __m256i u0 = codes16<FOUR>(cb + bytes, 0), u1 = codes16<FOUR>(cb + bytes, 1);
+      __m256i w0, w1;
+      codes16x2<FOUR>(cb, w0, w1);
+      __m256i u0, u1;
+      codes16x2<FOUR>(cb + bytes, u0, u1);
       const __m256i lane = _mm256_set1_epi32(j), next = _mm256_set1_epi32(j + 1);
       for (int r = 0; r < R; ++r) {
         const int16_t* qb = q + r * K + (b + j) * QB;
@@ -268,7 +287,8 @@ void lowbit_rows_g32(const int16_t* q, const float* dx, const float* sx, int64_t
   for (; b < B; ++b) {
     const float dg = as_float(d[b]), mg = sym ? -8.f * dg : m ? as_float(m[b]) : 0.f;
     const uint8_t* cb = c + b * bytes;
-    const __m256i w0 = codes16<FOUR>(cb, 0), w1 = codes16<FOUR>(cb, 1);
+    __m256i w0, w1;
+    codes16x2<FOUR>(cb, w0, w1);
     for (int r = 0; r < R; ++r) {
       acc0[r] = _mm256_fmadd_ps(block_dot(w0, w1, q + r * K + b * QB), _mm256_set1_ps(dg * dx[r * B + b]), acc0[r]);
       tail[r] += mg * sx[r * B + b];
