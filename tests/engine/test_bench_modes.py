@@ -190,3 +190,38 @@ def test_the_load_meter_does_not_count_the_benchmarks_own_child_process():
         subprocess.run([sys.executable, "-c", burn], check=True)
     assert meter.own_seconds >= 0.95, meter.own_seconds  # the child's second of CPU counts as the benchmark's own
     assert meter.cores < idle.cores + 0.5, (meter.cores, idle.cores)  # and not as another process's load
+
+
+def test_compare_llamacpp_alternates_the_engines_runs(tmp_path, monkeypatch):
+    """The peer is loaded before anything is timed, then each NInfer run is followed by one of the peer's (the
+    warm-ups first), so a machine whose speed drifts moves both columns alike; the warm-ups are not kept."""
+    import json
+
+    from engine.engine import Engine
+    from engine.tools.bench import peer_llamacpp as peer
+    from engine.tools.bench.cli import main
+
+    events = []
+
+    class FakePeer:
+        def __init__(self, path, threads, context, prompt_ids, gen_tokens):
+            events.append("peer loaded")
+            self.weight_bytes, self.gen = 1000, gen_tokens
+
+        def run(self):
+            events.append("peer")
+            return dict(ttft_s=0.5, decode_s=1.0, tokens=list(range(self.gen)))
+
+        def close(self):
+            events.append("peer closed")
+
+    submit = Engine.submit
+    monkeypatch.setattr(Engine, "submit", lambda self, *a, **kw: events.append("ninfer") or submit(self, *a, **kw))
+    monkeypatch.setattr(peer, "PeerProcess", FakePeer)
+    monkeypatch.setattr(peer, "check_installed", lambda: None)
+    out = tmp_path / "bench.json"
+    assert main(["--weight-dtype", "auto", "--compare", "llama.cpp", "--prompt-tokens", "16", "--gen-tokens", "4",
+                 "--repeat", "2", "--threads", "1", "--json", str(out)]) == 0
+    assert events == ["peer loaded"] + ["ninfer", "peer"] * 3 + ["peer closed"]
+    result = json.loads(out.read_text())
+    assert len(result["llama.cpp"]["runs"]) == 2 and result["llama.cpp"]["ttft_s"] == 0.5

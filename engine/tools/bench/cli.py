@@ -1,9 +1,10 @@
 """``ninfer-bench``: single-request latency and throughput of our engine, side by side with a peer (HF transformers
 by default, or llama.cpp).
 
-Both run in this process on the same model, dtype, device, thread count and prompt token ids, with greedy
-decoding that never stops early. Each measurement is a discarded warm-up run followed by ``--repeat`` runs,
-of which the median is reported (engine/tools/bench/measure.py). Other modes: ``--spec`` (speculative.py),
+Both run on the same model, dtype, device, thread count and prompt token ids, with greedy decoding that never stops
+early: transformers in this process after NInfer; llama.cpp in a child process, loaded first, its runs alternating
+with NInfer's (so a machine whose speed drifts moves both alike). Each measurement is a discarded warm-up run
+followed by ``--repeat`` runs, of which the median is reported (engine/tools/bench/measure.py). Other modes: ``--spec`` (speculative.py),
 ``--warm-prefix`` (below), ``--via-api`` (api.py), ``--profile-steps`` (step_profile.py).
 """
 from __future__ import annotations
@@ -123,12 +124,35 @@ def _run(args, command: str) -> int:
     prompt = build_prompt(loaded.tokenizer, args.prompt_tokens)
     theirs = ratio = through_api = peer_error = None
     with LoadMeter() as meter:
+        peer = peer_runs = None
+        if args.compare == "llama.cpp":  # loaded first; its runs alternate with NInfer's
+            try:
+                peer = peer_llamacpp.PeerProcess(loaded.path, threads, args.prompt_tokens + args.gen_tokens + 16,
+                                                 prompt, args.gen_tokens)
+                peer_runs = []
+            except RuntimeError as err:
+                peer_error = str(err)
+
+        def peer_turn(i: int) -> None:  # after NInfer's run i, the peer's run i (0: the warm-up of each)
+            nonlocal peer_error
+            if peer is None or peer_error:
+                return
+            try:
+                run = peer.run()
+            except RuntimeError as err:
+                peer_error = str(err)
+            else:
+                if i:
+                    peer_runs.append(run)
+
         try:
-            ours = bench_engine(loaded, prompt, args.gen_tokens, args.repeat)
+            ours = bench_engine(loaded, prompt, args.gen_tokens, args.repeat, between=peer_turn)
             if args.via_api:
                 through_api = api.bench_via_api(loaded, prompt, args.gen_tokens, args.repeat)
         finally:
             loaded.engine.shutdown()
+            if peer is not None:
+                peer.close()
         profiled = None
         if args.profile_steps > 0:
             profiled = step_profile.profile_decode(loaded.engine, prompt, args.profile_steps)
@@ -137,19 +161,12 @@ def _run(args, command: str) -> int:
             theirs = bench_transformers(model, prompt, args.gen_tokens, args.repeat)
             ratio = ratios(ours, theirs)
             del model
-        elif args.compare == "llama.cpp":
-            try:
-                runs, weight_bytes = peer_llamacpp.run_peer(loaded.path, threads,
-                                                            args.prompt_tokens + args.gen_tokens + 16, prompt,
-                                                            args.gen_tokens, args.repeat)
-            except RuntimeError as err:
-                peer_error = str(err)
-            else:
-                cfg = loaded.config
-                kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # llama.cpp's default KV type
-                theirs = dict(summarise(runs, len(prompt), args.gen_tokens, decode_bytes_per_token(
-                    weight_bytes, kv_f16, len(prompt), args.gen_tokens)), weight_bytes=weight_bytes)
-                ratio = ratios(ours, theirs)
+        elif peer_runs and not peer_error:
+            cfg = loaded.config
+            kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # llama.cpp's default KV type
+            theirs = dict(summarise(peer_runs, len(prompt), args.gen_tokens, decode_bytes_per_token(
+                peer.weight_bytes, kv_f16, len(prompt), args.gen_tokens)), weight_bytes=peer.weight_bytes)
+            ratio = ratios(ours, theirs)
     facts = machine_facts(loaded, threads)
     facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
     facts["decode steps"] = decode_path(loaded.engine.runner)

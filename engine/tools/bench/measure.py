@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Callable
 
 from engine.sampling import SamplingParams
 
@@ -53,10 +54,12 @@ def summarise(runs: list[dict], prompt_tokens: int, gen_tokens: int, bytes_per_t
                 runs=[{k: v for k, v in r.items() if k != "tokens"} for r in runs], tokens=runs[-1]["tokens"])
 
 
-def bench_engine(loaded, prompt_ids: list[int], gen_tokens: int, repeat: int = 3) -> dict:
+def bench_engine(loaded, prompt_ids: list[int], gen_tokens: int, repeat: int = 3,
+                 between: Callable[[int], None] | None = None) -> dict:
     """Our engine, batch 1, through Engine.submit on the engine thread (started here if needed).
     TTFT = submit -> first output (includes the prefill); decode = first output -> last output. Build the engine
-    with max_shared_prefixes=0, or runs after the first reuse the prompt's cached KV instead of prefilling it."""
+    with max_shared_prefixes=0, or runs after the first reuse the prompt's cached KV instead of prefilling it.
+    `between(i)` is called after run i (0: the warm-up): a peer's run i there alternates the two engines."""
     engine = loaded.engine
     engine.start()
     params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
@@ -76,6 +79,8 @@ def bench_engine(loaded, prompt_ids: list[int], gen_tokens: int, repeat: int = 3
             raise RuntimeError(f"the engine produced {len(tokens)} tokens, expected {gen_tokens}")
         if i:  # run 0 is the warm-up
             runs.append(dict(ttft_s=stamps[0] - t0, decode_s=stamps[-1] - stamps[0], tokens=tokens))
+        if between is not None:
+            between(i)
     kv_per_pos = engine.runner.kv.token_bytes  # 2 * layers * kv_heads * head_dim * element size, for floats
     weights = engine.runner.model.weight_bytes()
     return dict(summarise(runs, len(prompt_ids), gen_tokens, decode_bytes_per_token(

@@ -1,14 +1,16 @@
 """llama.cpp as a peer for ``ninfer-bench --compare llama.cpp``: the same GGUF file, prompt token ids, greedy
 decoding and thread count, through llama-cpp-python. It is measured, never used: install it only to compare
-(docs/BENCHMARKS.md, "Peers"). It runs in a child process (`python -m engine.tools.bench.peer_llamacpp`, the spec
-on stdin, the runs as one JSON line on stdout), so a peer that crashes (SIGILL from a build for instructions this
-CPU does not run) is reported by name instead of taking the bench down with it."""
+(docs/BENCHMARKS.md, "Peers"). It runs in a child process (`python -m engine.tools.bench.peer_llamacpp`: the spec
+as the first line on stdin, then one run for each "run" line, each answered by one JSON line on stdout), so a peer
+that crashes (SIGILL from a build for instructions this CPU does not run) is reported by name instead of taking the
+bench down with it, and its runs can alternate with NInfer's (a machine whose speed drifts then moves both alike)."""
 from __future__ import annotations
 
 import json
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,23 +43,24 @@ def load_llamacpp(path: Path, threads: int, context: int):
                  logits_all=False, verbose=False)
 
 
-def measure_runs(llm, prompt_ids: list[int], gen_tokens: int, repeat: int) -> list[dict]:
+def one_run(llm, prompt_ids: list[int], gen_tokens: int) -> dict:
     """TTFT = prompt evaluation plus the first token; decode = first token -> last token, greedy (temperature 0,
-    no repetition penalty), never stopping early; one warm-up run first, not kept."""
-    runs = []
-    for i in range(repeat + 1):
-        llm.reset()
-        tokens, stamps = [], []
-        t0 = time.perf_counter()
-        for token in llm.generate(list(prompt_ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                  reset=True):
-            stamps.append(time.perf_counter())
-            tokens.append(int(token))
-            if len(tokens) == gen_tokens:
-                break
-        if i:
-            runs.append(dict(ttft_s=stamps[0] - t0, decode_s=stamps[-1] - stamps[0], tokens=tokens))
-    return runs
+    no repetition penalty), never stopping early."""
+    llm.reset()
+    tokens, stamps = [], []
+    t0 = time.perf_counter()
+    for token in llm.generate(list(prompt_ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                              reset=True):
+        stamps.append(time.perf_counter())
+        tokens.append(int(token))
+        if len(tokens) == gen_tokens:
+            break
+    return dict(ttft_s=stamps[0] - t0, decode_s=stamps[-1] - stamps[0], tokens=tokens)
+
+
+def measure_runs(llm, prompt_ids: list[int], gen_tokens: int, repeat: int) -> list[dict]:
+    """`repeat` runs after one warm-up run, which is not kept."""
+    return [one_run(llm, prompt_ids, gen_tokens) for _ in range(repeat + 1)][1:]
 
 
 def bench_llamacpp(llm, prompt_ids: list[int], gen_tokens: int, repeat: int, summarise) -> dict:
@@ -67,23 +70,78 @@ def bench_llamacpp(llm, prompt_ids: list[int], gen_tokens: int, repeat: int, sum
     return dict(summarise(runs, weight_bytes), weight_bytes=weight_bytes)
 
 
+class PeerProcess:
+    """llama.cpp loaded in a child process, measured one run at a time (`run`); RuntimeError says what went wrong,
+    naming the signal when the peer crashed, and what to do."""
+
+    def __init__(self, path: Path, threads: int, context: int, prompt_ids: list[int], gen_tokens: int):
+        self.weight_bytes = Path(path).stat().st_size if Path(path).exists() else 0
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty peer cannot block on it
+        self.proc = subprocess.Popen(PEER_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr, text=True)
+        self._send(json.dumps(dict(path=str(path), threads=threads, context=context, prompt=list(prompt_ids),
+                                   gen_tokens=gen_tokens)))
+        if self._answer() != "ready":  # loaded before anything is timed
+            raise self._failure()
+
+    def run(self) -> dict:
+        self._send("run")
+        try:
+            return json.loads(self._answer())
+        except ValueError:
+            raise self._failure()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # the child ends at the end of its input
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._stderr.close()
+
+    def _send(self, line: str) -> None:
+        try:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        except OSError:  # the child is gone
+            raise self._failure()
+
+    def _answer(self) -> str:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise self._failure()
+        return line.strip()
+
+    def _failure(self) -> RuntimeError:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        code = self.proc.wait()
+        self._stderr.seek(0)
+        stderr = self._stderr.read()
+        if code < 0:
+            return RuntimeError(crash_message(-code, stderr))
+        said = stderr.strip().splitlines()
+        if code != 0:
+            return RuntimeError(said[-1] if said else f"the llama.cpp peer exited with status {code}")
+        return RuntimeError(f"the llama.cpp peer ended without its results (stderr: {stderr[-300:]!r})")
+
+
 def run_peer(path: Path, threads: int, context: int, prompt_ids: list[int], gen_tokens: int,
              repeat: int) -> tuple[list[dict], int]:
-    """(runs, weight bytes) of llama.cpp measured in a child process; RuntimeError says what went wrong, naming
-    the signal when the peer crashed, and what to do."""
-    spec = dict(path=str(path), threads=threads, context=context, prompt=list(prompt_ids), gen_tokens=gen_tokens,
-                repeat=repeat)
-    proc = subprocess.run(PEER_COMMAND, input=json.dumps(spec), capture_output=True, text=True)
-    if proc.returncode < 0:
-        raise RuntimeError(crash_message(-proc.returncode, proc.stderr))
-    if proc.returncode != 0:
-        said = proc.stderr.strip().splitlines()
-        raise RuntimeError(said[-1] if said else f"the llama.cpp peer exited with status {proc.returncode}")
+    """(runs, weight bytes) of llama.cpp measured in a child process: `repeat` runs after one warm-up."""
+    peer = PeerProcess(path, threads, context, prompt_ids, gen_tokens)
     try:
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
-        return result["runs"], int(result["weight_bytes"])
-    except (IndexError, KeyError, ValueError):
-        raise RuntimeError(f"the llama.cpp peer ended without its results (stdout: {proc.stdout[-300:]!r})")
+        runs = [peer.run() for _ in range(repeat + 1)][1:]
+    finally:
+        peer.close()
+    return runs, peer.weight_bytes
 
 
 def crash_message(signum: int, stderr: str = "") -> str:
@@ -101,14 +159,17 @@ def crash_message(signum: int, stderr: str = "") -> str:
 
 
 def child_main() -> int:
-    spec = json.loads(sys.stdin.read())
+    spec = json.loads(sys.stdin.readline())
     try:
         llm = load_llamacpp(Path(spec["path"]), spec["threads"], spec["context"])
     except RuntimeError as err:
         print(err, file=sys.stderr)
         return 3
-    runs = measure_runs(llm, spec["prompt"], spec["gen_tokens"], spec["repeat"])
-    print(json.dumps(dict(runs=runs, weight_bytes=Path(spec["path"]).stat().st_size)))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        print(json.dumps(one_run(llm, spec["prompt"], spec["gen_tokens"])), flush=True)
     return 0
 
 
