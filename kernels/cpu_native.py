@@ -1,4 +1,5 @@
-"""CPU kernels in C++ (kernels/cpu_native.cpp), built on first use for the machine they run on.
+"""CPU kernels in C++ (kernels/cpu_native.cpp, cpu_output.cpp, cpu_decode.cpp: one unit), built on first use for the
+machine they run on.
 
 * `q8_linear(x, qw)`: y = x @ dequantize(qw).T in float32 for grouped int8 weights (codes c, float32 scales d and
   optional mins m per group: w = c*d + m), reading the 1-byte codes once for up to four rows of x. Only the summation
@@ -35,7 +36,7 @@ import torch
 from kernels.quant import QuantizedWeight
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, "cpu_native.cpp"), os.path.join(_HERE, "cpu_decode.cpp")]  # one unit, in this order
+SOURCES = [os.path.join(_HERE, name) for name in ("cpu_native.cpp", "cpu_output.cpp", "cpu_decode.cpp")]  # one unit
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _state: dict = {}  # "error": why the kernel is not available, once tried; "op": the loaded op
