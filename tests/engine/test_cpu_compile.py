@@ -62,3 +62,29 @@ def test_a_prompt_longer_than_a_prefill_chunk(engines):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     got, want = (engines[m].engine.generate(ids, params) for m in ("auto", "off"))
     assert got == want and len(got) == 8
+
+
+def test_the_fused_decode_step_picks_the_eager_steps_tokens(engines):
+    """auto decodes each step as one C++ call (kernels/cpu_decode.cpp), off layer by layer. Both round activations to
+    int16 before each GEMV, so a last-bit difference upstream (RoPE rounded once in C++, twice in ATen) can move a
+    rounded value one step: their decode logits differ by a few 1e-4 of the largest (each stays within ~1e-3 of the
+    exact products, tests/engine/test_cpu_fused.py), and every step's token is the same."""
+    tok = engines["auto"].tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[1]}])
+    answer = engines["off"].engine.generate(ids, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    seq = ids + answer
+    steps = {}
+    for mode in ("auto", "off"):
+        runner = engines[mode].engine.runner
+        fused_before = runner.graphs.fused.steps if runner.graphs.fused is not None else 0
+        pages = runner.pool.allocate(runner.pool.pages_for(len(seq)))
+        try:
+            runner.run([Work(seq[:len(ids)], 0, pages)])
+            steps[mode] = [runner.run([Work([seq[i]], i, pages)])[0][-1] for i in range(len(ids), len(seq))]
+        finally:
+            runner.pool.deallocate(pages)
+        if mode == "auto":
+            assert runner.graphs.fused.steps - fused_before == len(answer)  # every step was the C++ call
+    for a, b in zip(steps["auto"], steps["off"]):
+        assert int(a.argmax()) == int(b.argmax())
+        assert ((a - b).abs().max() / b.abs().max()).item() < 1e-3
