@@ -4,8 +4,9 @@ by default, or llama.cpp).
 Both run on the same model, dtype, device, thread count and prompt token ids, with greedy decoding that never stops
 early: transformers in this process after NInfer; llama.cpp in a child process, loaded first, its runs alternating
 with NInfer's (so a machine whose speed drifts moves both alike). Each measurement is a discarded warm-up run
-followed by ``--repeat`` runs, of which the median is reported (engine/tools/bench/measure.py). Other modes: ``--spec`` (speculative.py),
-``--warm-prefix`` (below), ``--via-api`` (api.py), ``--profile-steps`` (step_profile.py).
+followed by ``--repeat`` runs, of which the median is reported (engine/tools/bench/measure.py). Other modes:
+``--spec`` (speculative.py), ``--warm-prefix`` (below), ``--via-api`` (api.py), ``--profile-steps``
+(step_profile.py).
 """
 from __future__ import annotations
 
