@@ -94,6 +94,7 @@ def test_search_fit_download_load_chat_switch_remove(qapp, qloop, app_home, publ
     # every redraw draws a report not drawn before (never a stale one), at most one per 200 ms tick plus the last;
     # that a burst of reports is drawn once per tick: test_a_burst_of_progress_reports_is_drawn_once_per_tick
     assert 1 <= find.progress_shown <= min(len(reports), elapsed / 0.2 + 2), (find.progress_shown, len(reports))
+    assert find.progress.value() == 1000  # the last report was drawn before the bar was hidden, not a stale one
     path = find.paths[name]
     assert path.is_relative_to(hf_home / "hub") and path.read_bytes() == published.read_bytes()
     assert not find.progress.isVisible()

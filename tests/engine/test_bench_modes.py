@@ -167,12 +167,12 @@ def test_other_peer_failures_are_named(monkeypatch):
                                                "print('ggml: out of memory', file=sys.stderr, flush=True); "
                                                "os.kill(os.getpid(), signal.SIGSEGV)"])
     with pytest.raises(RuntimeError, match="killed by SIGSEGV; its last words: ggml: out of memory"):
-        peer.run_peer(Path("m.gguf"), 1, 64, [1, 2], 2, 1)
+        peer.PeerProcess(Path("m.gguf"), 1, 64, [1, 2], 2)
     monkeypatch.setattr(peer, "PEER_COMMAND", [sys.executable, "-c", "import sys; sys.modules['llama_cpp'] = None; "
                                                "from engine.tools.bench import peer_llamacpp as p; "
                                                "sys.exit(p.child_main())"])
     with pytest.raises(RuntimeError, match="pip install llama-cpp-python"):
-        peer.run_peer(Path("m.gguf"), 1, 64, [1, 2], 2, 1)
+        peer.PeerProcess(Path("m.gguf"), 1, 64, [1, 2], 2)
 
 
 def test_the_load_meter_does_not_count_the_benchmarks_own_child_process():

@@ -52,10 +52,6 @@ class LoadMeter:
         return t.user + t.system + t.children_user + t.children_system
 
 
-def _kv_name(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def machine_facts(loaded, threads: int) -> dict:
     device = loaded.device
     return {
@@ -66,7 +62,7 @@ def machine_facts(loaded, threads: int) -> dict:
         "threads": threads,
         "dtype": str(loaded.dtype).removeprefix("torch.") + " (transformers and NInfer's activations)",
         "ninfer weights": loaded.engine.runner.model.weight_format,
-        "ninfer KV": _kv_name(loaded.engine.runner.kv.kv_dtype),
+        "ninfer KV": str(loaded.engine.runner.kv.kv_dtype).removeprefix("torch."),
         "model": f"{loaded.path.name} ({loaded.config.name or loaded.config.arch})",
         "weight bytes": loaded.engine.runner.model.weight_bytes(),
         "measured memory bandwidth": f"{measure_bandwidth(device):.2f} GB/s (F.linear, 1x576 by 49152x576 fp32)",

@@ -133,17 +133,6 @@ class PeerProcess:
         return RuntimeError(f"the llama.cpp peer ended without its results (stderr: {stderr[-300:]!r})")
 
 
-def run_peer(path: Path, threads: int, context: int, prompt_ids: list[int], gen_tokens: int,
-             repeat: int) -> tuple[list[dict], int]:
-    """(runs, weight bytes) of llama.cpp measured in a child process: `repeat` runs after one warm-up."""
-    peer = PeerProcess(path, threads, context, prompt_ids, gen_tokens)
-    try:
-        runs = [peer.run() for _ in range(repeat + 1)][1:]
-    finally:
-        peer.close()
-    return runs, peer.weight_bytes
-
-
 def crash_message(signum: int, stderr: str = "") -> str:
     try:
         name = signal.Signals(signum).name
