@@ -133,13 +133,14 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     options["cpu_compile"] = c.cpu_compile
     net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto", **options)
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
-    if dev.type == "cpu" and c.cpu_compile != "off" and fmt:
+    if dev.type == "cpu" and c.cpu_compile != "off":
         use_project_cache()
         done = use_cpu_kernel(net)
         if done is None:
-            log.warning("decoder layers: the C++ decode kernel is not available (%s); they decode through ATen's "
-                        "low-bit kernels instead (bf16 activations, slower). Install a C++ compiler (g++ or clang) "
-                        "to enable it, or set --cpu-compile off to skip trying.", cpu_native.ready())
+            log.warning("decoder layers: the C++ decode kernels are not available (%s); they decode through ATen's "
+                        "kernels instead (%s). Install a C++ compiler (g++ or clang) to enable them, or set "
+                        "--cpu-compile off to skip trying.", cpu_native.ready(),
+                        "bf16 activations, slower" if fmt else "about half the speed")
         else:
             log.info("decoder layers: %s", done)
     selfcheck.run(weights, net, fmt, kdtype, tokenizer, allow=c.allow_lossy_format)

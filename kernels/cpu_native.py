@@ -1,5 +1,5 @@
-"""CPU kernels in C++ (kernels/cpu_native.cpp, cpu_output.cpp, cpu_decode.cpp: one unit), built on first use for the
-machine they run on.
+"""CPU kernels in C++ (kernels/cpu_native.cpp, cpu_output.cpp, cpu_dense.cpp, cpu_decode.cpp: one unit), built
+on first use for the machine they run on.
 
 * `q8_linear(x, qw)`: y = x @ dequantize(qw).T in float32 for grouped int8 weights (codes c, float32 scales d and
   optional mins m per group: w = c*d + m), reading the 1-byte codes once for up to four rows of x. Only the summation
@@ -15,6 +15,9 @@ machine they run on.
   Decode and verification steps of the decoder layers use it (kernels/dispatch.py); about 3x faster than ATen's
   int4 kernel on a CPU without AVX-512 (docs/KERNELS.md).
 
+* `dense_linear(x, w, bias)`: y = x @ w.T (+ bias) for a few float32 rows and a float32 weight (the decode steps of
+  a dense float32 model), reading each weight row once for up to four rows: about 2x ATen's float32 GEMV on two AVX2
+  cores (docs/KERNELS.md). Only the summation order differs from F.linear.
 * `rms_norm(x, w, eps)`: F.rms_norm of float32 rows (ATen's CPU kernel takes ~25 us for one 576-wide row; a decode
   step of the default model calls it 61 times). engine/model/layers.rms_norm takes it once the kernels are loaded.
 
@@ -36,7 +39,8 @@ import torch
 from kernels.quant import QuantizedWeight
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, name) for name in ("cpu_native.cpp", "cpu_output.cpp", "cpu_decode.cpp")]  # one unit
+SOURCES = [os.path.join(_HERE, name)  # one unit
+           for name in ("cpu_native.cpp", "cpu_output.cpp", "cpu_dense.cpp", "cpu_decode.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _state: dict = {}  # "error": why the kernel is not available, once tried; "op": the loaded op
@@ -96,6 +100,7 @@ def ready() -> str | None:
         _state["rms_norm"] = torch.ops.ninfer_cpu.rms_norm.default
         _state["dequantize"] = torch.ops.ninfer_cpu.dequantize_into.default
         _state["decode_step"] = torch.ops.ninfer_cpu.decode_step.default
+        _state["dense"] = torch.ops.ninfer_cpu.dense_linear.default
         _register_shapes()
     except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -140,6 +145,11 @@ def lowbit_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return _state["lowbit"](x, qw.qweight, qw.scales, qw.mins, qw.format == "int4_sym")
 
 
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight.T (+ bias) for float32 operands, a few rows (decode); `loaded()` must be true."""
+    return _state["dense"](x, weight, bias)
+
+
 def dequantize_into(qw: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
     """kernels.quant.dequantize(qw, out=out) in one pass (the same float32 values); `lowbit_supported(qw)`."""
     return _state["dequantize"](qw.qweight, qw.scales, qw.mins, qw.format == "int4_sym", out)
@@ -158,6 +168,10 @@ def _register_shapes() -> None:
     @torch.library.register_fake("ninfer_cpu::q8_linear")
     def _(x, codes, scales, mins):
         return x.new_empty(x.shape[0], codes.shape[0])
+
+    @torch.library.register_fake("ninfer_cpu::dense_linear")
+    def _(x, weight, bias):
+        return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def decode_step_op():

@@ -183,29 +183,42 @@ def enable_dense_prefill(model, min_rows: int) -> DenseScratch:
 
 
 def use_cpu_kernel(model) -> str | None:
-    """Marks the low-bit weights of the decoder layers that the C++ kernel of kernels/cpu_native.py reads (4-bit and
-    grouped int8 in groups of 32k) for their decode rows (kernels/cpu.native_fn), building or loading it first.
-    Returns what was done, for the load log, or None where the kernel is not available (`cpu_native.ready()` says
-    why)."""
-    linears = [v for layer in model.layers for v in vars(layer).values()
-               if isinstance(v, Linear) and isinstance(v.weight, QuantizedWeight)]
-    taken = [v.weight for v in linears if cpu_native.lowbit_supported(v.weight)]
-    if not taken:
-        return "no low-bit weight the C++ decode kernel reads"
+    """Marks the weights the C++ kernels of kernels/cpu_native.py read for decode rows, building or loading them
+    first: the decoder layers' low-bit weights (4-bit and grouped int8 in groups of 32k; kernels/cpu.native_fn) and
+    every float32 linear weight, the output layer's included (`dense_linear`). Returns what was done, for the load
+    log, or None where the kernels are not available (`cpu_native.ready()` says why)."""
+    linears = [v for layer in model.layers for v in vars(layer).values() if isinstance(v, Linear)]
+    quantized = [v for v in linears if isinstance(v.weight, QuantizedWeight)]
+    taken = [v.weight for v in quantized if cpu_native.lowbit_supported(v.weight)]
+    dense = [v for v in linears + [model.lm_head] if type(v) is Linear and _dense_float32(v)]
+    if not taken and not dense:
+        return "no weight the C++ decode kernels read"
     if cpu_native.ready() is not None:
         return None
     for qw in taken:
         qw.cache = {k: v for k, v in qw.cache.items()  # the path is chosen again at the next call
                     if not (isinstance(k, tuple) and k[0] == "cpu_linear")}
         qw.cache["lowbit_native"] = True
-    return (f"{len(taken)} of {len(linears)} low-bit weights decode through the C++ kernel (activations rounded to "
-            f"int16 per block of 32)")
+    for v in dense:
+        v.native_dense = True
+    said = [f"{len(taken)} of {len(quantized)} low-bit weights decode through the C++ kernel (activations rounded to "
+            f"int16 per block of 32)"] if quantized else []
+    if dense:
+        said.append(f"{len(dense)} float32 weights through the C++ GEMV")
+    return "; ".join(said)
+
+
+def _dense_float32(v) -> bool:
+    w = v.weight
+    return (isinstance(w, torch.Tensor) and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2
+            and w.is_contiguous() and (v.bias is None or v.bias.dtype == torch.float32 and v.bias.is_contiguous()))
 
 
 class Linear:
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None):
         self.weight, self.bias = weight, bias
         self.scratch: DenseScratch | None = None  # set by enable_dense_prefill
+        self.native_dense = False  # set by use_cpu_kernel: a float32 CPU weight the C++ GEMV reads for decode rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -213,6 +226,8 @@ class Linear:
             if self.scratch is not None and x.numel() >= self.scratch.min_rows * x.shape[-1]:
                 return self.scratch.linear(x, w, self.bias)
             return dispatch.linear(x, w, self.bias)
+        if self.native_dense and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32:
+            return cpu_native.dense_linear(x, w, self.bias)  # decode rows (use_cpu_kernel)
         if x.device.type == "cpu" and 1 < x.shape[0] <= FEW_ROWS and w.shape[0] >= WIDE_OUT and x.dim() == 2:
             # a few rows through a wide layer (the output layer over a verified draft): the CPU BLAS reads W
             # several times as x @ W.T at 2-3 rows, once as W @ x.T (measured: 23 ms vs 6 ms, 49152 x 576 fp32)

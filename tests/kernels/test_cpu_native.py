@@ -218,3 +218,44 @@ def test_dense_prompts_dequantize_through_the_cpp_pass(native, monkeypatch):
     qw = quantize(torch.randn(64, 128), "int4_sym", 32)
     scratch = DenseScratch(min_rows=4)
     assert torch.equal(scratch.weight(qw, torch.float32), dequantize(qw, torch.float32)) and calls == [(64, 128)]
+
+
+@pytest.mark.parametrize("out,k,bias", [(1552, 512, False), (77, 576, True), (33, 100, True), (512, 1536, False)])
+def test_dense_linear_equals_the_float64_matmul_for_every_row_count(native, out, k, bias):
+    """Row counts of several four-row passes and the rest, output counts that are not a multiple of the threads'
+    share or of the kernel's four weight rows, a width that is not a multiple of 8 (the plain loop), a bias."""
+    g = torch.Generator().manual_seed(out)
+    w, x = torch.randn(out, k, generator=g), torch.randn(16, k, generator=g) * 3
+    b = torch.randn(out, generator=g) if bias else None
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    for rows in (1, 2, 4, 5, 9, 16):
+        got = cpu_native.dense_linear(x[:rows], w, b)
+        assert got.dtype == torch.float32 and got.shape == (rows, out)
+        assert ((got.double() - want[:rows]).abs().max() / want[:rows].abs().max()) < 2e-6
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        cpu_native.dense_linear(x, w.t().contiguous().t(), None)
+
+
+def test_float32_weights_decode_through_the_dense_kernel(native, monkeypatch):
+    """use_cpu_kernel marks a dense float32 model's linears (the output layer's too): decode rows take the C++ GEMV,
+    a prompt's rows ATen's matmul; both give the float32 product."""
+    from engine.model.linear import Linear, use_cpu_kernel
+
+    class Layer:
+        def __init__(self):
+            self.proj = Linear(torch.randn(96, 64))
+
+    class Model:
+        layers = [Layer(), Layer()]
+        lm_head = Linear(torch.randn(300, 64))
+
+    model = Model()
+    assert use_cpu_kernel(model) == "3 float32 weights through the C++ GEMV"
+    calls = []
+    real = cpu_native.dense_linear
+    monkeypatch.setattr(cpu_native, "dense_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    lin = model.layers[0].proj
+    for rows in (1, 3, 100):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(lin(x), x @ lin.weight.t(), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 3]
