@@ -248,11 +248,12 @@ SETTINGS: tuple[Setting, ...] = (
         _s("cuda_graphs", str, "auto", "Replay decoding steps as CUDA graphs (one per batch size) to cut kernel-launch "
            "overhead; auto: on when the model runs on a CUDA GPU with Triton; on is refused elsewhere.",
            choices=("auto", "on", "off")),
-        _s("cpu_compile", str, "auto", "On the CPU, build C++ kernels for this CPU for a low-bit model: the output "
+        _s("cpu_compile", str, "auto", "On the CPU, build C++ kernels for this CPU: for a low-bit model the output "
            "layer's float32 logits read from the file's 8-bit codes (about 4x fewer bytes per token than a float32 "
            "layer), and the decoder layers' 4- and 8-bit weights read as stored while generating (activations "
-           "rounded to int16 per block of 32: finer than the bf16 of ATen's kernels), and for a llama-family model the whole "
-           "decoding step as one C++ call (about 2.5x faster decoding on the default model); prompts multiply dense "
+           "rounded to int16 per block of 32: finer than the bf16 of ATen's kernels); for float32 weights a GEMV "
+           "about 2x ATen's while generating; for a llama-family model or a Qwen3.5 hybrid the whole decoding step "
+           "as one C++ call (about 2.5x faster decoding on the default model, 3x on a small hybrid); prompts multiply dense "
            "weights unpacked into one shared buffer, as --prefill-cublas does (float32 products; bf16 where the CPU "
            "has native bf16). "
            "Needs a C++ compiler the first time (cached after); without one it falls back, with a warning, to the "

@@ -1,5 +1,5 @@
-"""CPU kernels in C++ (kernels/cpu_native.cpp, cpu_output.cpp, cpu_dense.cpp, cpu_decode.cpp: one unit), built
-on first use for the machine they run on.
+"""CPU kernels in C++ (kernels/cpu_native.cpp, cpu_output.cpp, cpu_dense.cpp, cpu_decode.cpp, cpu_hybrid.cpp: one
+unit), built on first use for the machine they run on.
 
 * `q8_linear(x, qw)`: y = x @ dequantize(qw).T in float32 for grouped int8 weights (codes c, float32 scales d and
   optional mins m per group: w = c*d + m), reading the 1-byte codes once for up to four rows of x. Only the summation
@@ -40,7 +40,7 @@ from kernels.quant import QuantizedWeight
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name)  # one unit
-           for name in ("cpu_native.cpp", "cpu_output.cpp", "cpu_dense.cpp", "cpu_decode.cpp")]
+           for name in ("cpu_native.cpp", "cpu_output.cpp", "cpu_dense.cpp", "cpu_decode.cpp", "cpu_hybrid.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _state: dict = {}  # "error": why the kernel is not available, once tried; "op": the loaded op
@@ -101,6 +101,7 @@ def ready() -> str | None:
         _state["dequantize"] = torch.ops.ninfer_cpu.dequantize_into.default
         _state["decode_step"] = torch.ops.ninfer_cpu.decode_step.default
         _state["dense"] = torch.ops.ninfer_cpu.dense_linear.default
+        _state["hybrid_step"] = torch.ops.ninfer_cpu.hybrid_step.default
         _register_shapes()
     except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -177,6 +178,11 @@ def _register_shapes() -> None:
 def decode_step_op():
     """kernels/cpu_decode.cpp's decode_step (engine/model/cpu_fused.py calls it); `loaded()` must be true."""
     return _state["decode_step"]
+
+
+def hybrid_step_op():
+    """kernels/cpu_hybrid.cpp's hybrid_step (engine/model/cpu_hybrid.py calls it); `loaded()` must be true."""
+    return _state["hybrid_step"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -48,6 +48,8 @@ def why_not(model, kv) -> str | None:
 class FusedDecode:
     """Decode steps of one ModelRunner's llama-family model as one C++ call each (`why_not` must have said None)."""
 
+    source = "kernels/cpu_decode.cpp"
+
     def __init__(self, runner):
         self.model, self.kv, self.page_size = runner.model, runner.kv, runner.page_size
         cfg = self.model.cfg
@@ -68,9 +70,10 @@ class FusedDecode:
         self.op = cpu_native.decode_step_op()
         self.steps = 0
 
-    def hidden(self, tokens: list[int], positions: list[int], pages: list[list[int]]) -> torch.Tensor:
+    def hidden(self, tokens: list[int], positions: list[int], pages: list[list[int]],
+               state_slots: list[int] | None = None) -> torch.Tensor:
         """The final norm's output [B, hidden] for one token a row at `positions`, each row over its page list
-        (which covers its position: the token's K/V are written there)."""
+        (which covers its position: the token's K/V are written there) and, for a hybrid, its state slot."""
         ps = self.page_size
         width = max(len(p) for p in pages)
         table = torch.zeros(len(pages), width, dtype=torch.int32)
@@ -80,18 +83,22 @@ class FusedDecode:
         rotary = self.model.rotary
         if max(positions) >= rotary.cos.shape[0]:
             rotary._extend(max(positions) + 1)
-        x = embed_rows(self.model.embed, torch.tensor(tokens)).float()
+        x = embed_rows(self.model.embed, torch.tensor(tokens)).float().contiguous()
+        ctx = torch.tensor([p + 1 for p in positions], dtype=torch.int32)
         with torch.inference_mode():
-            return self.op(x, self.weights, self.syms, self.norm, self.kv.k, self.kv.v, rotary.cos, rotary.sin,
-                           torch.tensor(positions), torch.tensor(slots), table,
-                           torch.tensor([p + 1 for p in positions], dtype=torch.int32), self.dims, self.eps,
-                           self.scale)
+            return self.call(x, torch.tensor(positions), torch.tensor(slots), table, ctx, state_slots)
+
+    def call(self, x, positions, slots, table, ctx, state_slots) -> torch.Tensor:
+        rotary = self.model.rotary
+        return self.op(x, self.weights, self.syms, self.norm, self.kv.k, self.kv.v, rotary.cos, rotary.sin,
+                       positions, slots, table, ctx, self.dims, self.eps, self.scale)
 
     def run(self, works) -> list[torch.Tensor]:
         """Logits [1, vocab] (float32) per decode work (one token each; pages bound by the caller)."""
         ps = self.page_size
         hidden = self.hidden([w.tokens[0] for w in works], [w.start for w in works],
-                             [list(w.pages[: w.start // ps + 1]) for w in works])
+                             [list(w.pages[: w.start // ps + 1]) for w in works],
+                             [w.state.slot if w.state is not None else -1 for w in works])
         self.steps += 1
         with torch.inference_mode():
             logits = self.model.lm_head(hidden).float()
@@ -103,10 +110,13 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def make(runner) -> FusedDecode | None:
-    """The runner's fused decode step, or None (the reason logged once)."""
-    why = why_not(runner.model, runner.kv)
+    """The runner's fused decode step (a hybrid's: engine/model/cpu_hybrid.py), or None (the reason logged once)."""
+    from engine.model import cpu_hybrid
+    hybrid = cpu_hybrid.is_hybrid(runner.model)
+    why = cpu_hybrid.why_not(runner.model, runner.kv, runner.state) if hybrid else why_not(runner.model, runner.kv)
     if why is not None:
         log.info("decode steps run layer by layer in Python: %s", why)
         return None
-    log.info("decode steps run as one C++ call each (kernels/cpu_decode.cpp)")
-    return FusedDecode(runner)
+    fused = cpu_hybrid.HybridDecode(runner) if hybrid else FusedDecode(runner)
+    log.info("decode steps run as one C++ call each (%s)", fused.source)
+    return fused

@@ -225,6 +225,7 @@ class DecodeGraphs:
         if self.fused is not None:  # the CPU's whole step in one C++ call (cpu_fused.py)
             out = self.fused.run(works)
             self.steps += 1
+            self._save_states(works)
             return out
         try:
             e = self._entry(size(len(works)), size(pages))

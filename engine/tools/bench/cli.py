@@ -205,7 +205,7 @@ def decode_path(runner) -> str:
     graphs = runner.graphs
     path = "replayed as CUDA graphs" if graphs.capture else "through the static forward"
     if graphs.fused is not None:
-        return f"{graphs.steps}, {graphs.fused.steps} of them as one C++ call (kernels/cpu_decode.cpp)"
+        return f"{graphs.steps}, {graphs.fused.steps} of them as one C++ call ({graphs.fused.source})"
     if graphs.compiled is None:
         return f"{graphs.steps} {path}"
     return f"{graphs.steps}, {graphs.compiled.steps} of them as one compiled graph (--cpu-compile step)"

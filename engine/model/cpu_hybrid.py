@@ -1,0 +1,96 @@
+"""A Qwen3.5-class hybrid's CPU decode step as one C++ call (kernels/cpu_hybrid.cpp, --cpu-compile auto).
+
+As engine/model/cpu_fused.py does for llama-family models: every decode step runs the whole stack in C++, the GDN
+layers over each row's state slot (the conv window and the delta-rule state, float32 or float16 storage), the gated
+attention layers over each row's pages. Each linear is read as loaded: dense float32 (the C++ GEMV) or a low-bit
+weight the C++ kernel reads. The embedding lookup and the output layer stay in Python."""
+from __future__ import annotations
+
+import torch
+
+from engine.model.cpu_fused import FusedDecode
+from engine.model.gdn import GDNLayer
+from engine.model.linear import Linear
+from engine.model.qwen35 import GatedAttentionLayer, Qwen35Model
+from kernels import cpu_native
+from kernels.quant import QuantizedWeight
+
+LINEARS = {GDNLayer: ("in_proj", "out", "gate_up", "down"), GatedAttentionLayer: ("qkv", "o", "gate_up", "down")}
+
+
+def is_hybrid(model) -> bool:
+    return isinstance(model, Qwen35Model)
+
+
+def _readable(lin: Linear) -> bool:
+    w = lin.weight
+    if lin.bias is not None:
+        return False
+    return lin.native_dense if isinstance(w, torch.Tensor) else bool(w.cache.get("lowbit_native"))
+
+
+def why_not(model, kv, state) -> str | None:
+    """None when the hybrid `model` on cache `kv` and state pool `state` decodes through hybrid_step; else why not."""
+    if not cpu_native.loaded():
+        return "the C++ kernels are not loaded"
+    # exact types: a subclass may change what a layer computes (the C++ step would not know)
+    if type(model) is not Qwen35Model or any(type(layer) not in LINEARS for layer in model.layers):
+        return f"{type(model).__name__} is not a Qwen3.5 hybrid of GDN and gated attention layers"
+    if model.dtype != torch.float32:
+        return f"the activations are {model.dtype}, not float32"
+    if not all(_readable(getattr(layer, name)) for layer in model.layers for name in LINEARS[type(layer)]):
+        return "not every linear weight of the layers is one the C++ decode kernels read"
+    fmt = kv.format
+    if fmt.k.quantized or fmt.v.quantized or fmt.k.rotate or kv.k[0].dtype not in (torch.float32, torch.float16):
+        return f"the KV cache is {kv.kv_dtype} (float32 and float16 are read in C++)"
+    if model.cfg.head_dim % 8:
+        return f"head_dim {model.cfg.head_dim} is not a multiple of 8"
+    if state is None or any(t["conv"].dtype != torch.float32 for t in state.layers):
+        return "the GDN conv states are not float32"
+    return None
+
+
+def _linear(lin: Linear) -> tuple[list, int]:
+    """A linear's three entries of hybrid_step's weights, and its symmetry flag."""
+    w = lin.weight
+    if isinstance(w, QuantizedWeight):
+        return [w.qweight, w.scales, w.mins], int(w.format == "int4_sym")
+    return [w, None, None], 0
+
+
+class HybridDecode(FusedDecode):
+    """Decode steps of one ModelRunner's Qwen3.5 hybrid as one C++ call each (`why_not` must have said None)."""
+
+    source = "kernels/cpu_hybrid.cpp"
+
+    def __init__(self, runner):
+        self.model, self.kv, self.page_size, self.state = runner.model, runner.kv, runner.page_size, runner.state
+        cfg, n = self.model.cfg, self.model.cfg.linear
+        self.weights: list[torch.Tensor | None] = []
+        self.syms: list[int] = []
+        self.kinds: list[int] = []
+        for layer in self.model.layers:
+            self.weights += [layer.input_norm.float().contiguous(), layer.post_norm.float().contiguous()]
+            for name in LINEARS[type(layer)]:
+                entries, sym = _linear(getattr(layer, name))
+                self.weights += entries
+                self.syms.append(sym)
+            if isinstance(layer, GDNLayer):
+                self.weights += [layer.conv.contiguous(), layer.dt_bias.contiguous(), layer.neg_a.contiguous(),
+                                 layer.norm.contiguous()]
+            else:
+                self.weights += [layer.q_norm.float().contiguous(), layer.k_norm.float().contiguous(), None, None]
+            self.kinds.append(int(isinstance(layer, GatedAttentionLayer)))
+        self.norm = self.model.norm.float().contiguous()
+        rotated = int(cfg.head_dim * cfg.partial_rotary)
+        self.dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotated, n.num_k_heads, n.num_v_heads,
+                     n.head_k_dim, n.head_v_dim, n.conv_kernel]
+        self.eps = cfg.rms_eps
+        self.op = cpu_native.hybrid_step_op()
+        self.steps = 0
+
+    def call(self, x, positions, slots, table, ctx, state_slots) -> torch.Tensor:
+        rotary, layers = self.model.rotary, self.state.layers
+        return self.op(x, self.weights, self.kinds, self.syms, self.norm, self.kv.k, self.kv.v,
+                       [t["conv"] for t in layers], [t["ssm"] for t in layers], torch.tensor(state_slots),
+                       rotary.cos, rotary.sin, positions, slots, table, ctx, self.dims, self.eps)
