@@ -1,13 +1,14 @@
 // decode_step: a llama-family decoder stack for decode rows (one token each) in one call (kernels/cpu_decode.py).
 //
-// Built in one unit after cpu_native.cpp, whose lowbit_into, check_lowbit, rms_row and hsum it calls. Per layer:
+// Built in one unit after cpu_native.cpp and cpu_dense.cpp, whose lowbit_into, check_lowbit, dense_into, rms_row and
+// hsum it calls. Each linear is dense float32 or low-bit (`Linear`, cpu_hybrid.cpp's too). Per layer:
 // RMSNorm, the fused qkv GEMV (+ bias), Qwen3's per-head q/k norms, RoPE (half-split), the K/V write to each row's
 // slot, attention over each row's pages, o (+ bias), the residual, RMSNorm, gate_up, SiLU * up, down, the residual;
 // then the final norm. The arithmetic is the eager layer's (engine/model/llama.py) with the same kernels for the
 // GEMVs and norms; attention splits each row's context into chunks the threads share (partial softmax, merged).
 namespace {
 
-constexpr int64_t PER_LAYER = 18;  // entries of `weights` a layer takes, in this order:
+constexpr int64_t PER_LAYER = 18;  // entries of `weights` a layer takes, in this order (a dense linear: S, M None):
 enum { IN_NORM, POST_NORM, QKV, QKV_S, QKV_M, QKV_B, O, O_S, O_M, O_B, GU, GU_S, GU_M, DOWN, DOWN_S, DOWN_M, Q_NORM,
        K_NORM };
 constexpr int64_t CHUNK = 64;  // tokens of one attention task
@@ -192,12 +193,43 @@ inline void silu_mul(const float* gu, int64_t rows, int64_t n, float* out) {
   }
 }
 
+// a linear of a decode step: a dense float32 weight [out, in] (no scales; dense_linear's GEMV) or low-bit codes
+// (lowbit_linear's operands), and an optional float32 bias; read from `ws` at entries at, at + 1, at + 2 (weight or
+// codes, scales, mins) and `bias` (-1: none) by read_linear, which checks them against `in` inputs
 struct Linear {
-  at::Tensor codes, scales;
-  std::optional<at::Tensor> mins, bias;
-  bool sym;
-  int64_t out;
+  at::Tensor w;
+  std::optional<at::Tensor> scales, mins, bias;
+  bool sym = false;
+  int64_t in = 0, out = 0;
+  void run(const float* x, int64_t B, float* y) const {
+    if (scales)
+      lowbit_into(x, B, in, w, *scales, mins, sym, y);
+    else
+      dense_into(x, B, in, w.data_ptr<float>(), out, nullptr, y);
+    if (bias) {
+      const float* bp = bias->data_ptr<float>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t i = 0; i < out; ++i) y[b * out + i] += bp[i];
+    }
+  }
 };
+
+Linear read_linear(const c10::List<std::optional<at::Tensor>>& ws, int64_t at_, int64_t bias, bool sym, int64_t in,
+                   const char* op, int64_t layer) {
+  auto w = ws.get(at_);
+  TORCH_CHECK(w, op, ": layer ", layer, " lacks a linear weight");
+  Linear l;
+  l.w = *w, l.scales = ws.get(at_ + 1), l.mins = ws.get(at_ + 2), l.sym = sym, l.in = in, l.out = w->size(0);
+  l.bias = bias >= 0 ? ws.get(bias) : std::nullopt;
+  if (l.scales)
+    check_lowbit(in, l.w, *l.scales, l.mins, sym);
+  else
+    TORCH_CHECK(w->scalar_type() == at::kFloat && w->dim() == 2 && w->is_contiguous() && w->size(1) == in && !l.mins,
+                op, ": layer ", layer, ": a dense weight must be contiguous float32 [out, ", in, "]");
+  TORCH_CHECK(!l.bias || (l.bias->scalar_type() == at::kFloat && l.bias->numel() == l.out && l.bias->is_contiguous()),
+              op, ": a bias must be float32 [out]");
+  return l;
+}
 
 at::Tensor decode_step(const at::Tensor& x_, const c10::List<std::optional<at::Tensor>>& weights,
                        at::IntArrayRef syms, const at::Tensor& final_norm, at::TensorList k_cache,
@@ -240,22 +272,14 @@ at::Tensor decode_step(const at::Tensor& x_, const c10::List<std::optional<at::T
   int64_t widest = 0, inter = 0;
   for (int64_t l = 0; l < L; ++l) {
     auto w = [&](int i) { return weights.get(l * PER_LAYER + i); };
-    const int parts[4][4] = {{QKV, QKV_S, QKV_M, QKV_B}, {O, O_S, O_M, O_B}, {GU, GU_S, GU_M, -1},
-                             {DOWN, DOWN_S, DOWN_M, -1}};
+    const int parts[4][2] = {{QKV, QKV_B}, {O, O_B}, {GU, -1}, {DOWN, -1}};
     const int64_t in[4] = {H, QS, H, 0};
     for (int j = 0; j < 4; ++j) {
-      auto codes = w(parts[j][0]), scales = w(parts[j][1]);
-      TORCH_CHECK(codes && scales, "decode_step: layer ", l, " lacks the codes or scales of linear ", j);
-      Linear& li = lin[4 * l + j];
-      li.codes = *codes, li.scales = *scales, li.mins = w(parts[j][2]), li.sym = syms[4 * l + j] != 0;
-      li.bias = parts[j][3] >= 0 ? w(parts[j][3]) : std::nullopt;
-      li.out = li.codes.size(0);
-      if (j == 2) inter = li.out / 2;
-      const int64_t k_in = j == 3 ? inter : in[j];
-      check_lowbit(k_in, li.codes, li.scales, li.mins, li.sym);
-      TORCH_CHECK(!li.bias || (li.bias->scalar_type() == at::kFloat && li.bias->numel() == li.out &&
-                               li.bias->is_contiguous()), "decode_step: a bias must be float32 [out]");
-      widest = std::max(widest, li.out);
+      const int64_t k_in = j == 3 ? inter : in[j], bias = parts[j][1] < 0 ? -1 : l * PER_LAYER + parts[j][1];
+      lin[4 * l + j] = read_linear(weights, l * PER_LAYER + parts[j][0], bias, syms[4 * l + j] != 0, k_in,
+                                   "decode_step", l);
+      if (j == 2) inter = lin[4 * l + j].out / 2;
+      widest = std::max(widest, lin[4 * l + j].out);
     }
     TORCH_CHECK(lin[4 * l].out == QS + 2 * KS && lin[4 * l + 1].out == H && lin[4 * l + 3].out == H &&
                 lin[4 * l + 2].out == 2 * inter, "decode_step: layer ", l, "'s shapes disagree with dims");
@@ -275,18 +299,10 @@ at::Tensor decode_step(const at::Tensor& x_, const c10::List<std::optional<at::T
   auto out = at::empty({B, H}, x_.options());
   std::vector<float> h(B * std::max(H, inter)), big(B * widest), q(B * QS), attn(B * QS);
   float* r = resid.data_ptr<float>();
-  auto gemv = [&](const float* in, int64_t k, const Linear& li, float* y) {
-    lowbit_into(in, B, k, li.codes, li.scales, li.mins, li.sym, y);
-    if (li.bias) {
-      const float* bp = li.bias->data_ptr<float>();
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t i = 0; i < li.out; ++i) y[b * li.out + i] += bp[i];
-    }
-  };
   for (int64_t l = 0; l < L; ++l) {
     const Linear* li = &lin[4 * l];
     for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, norms[4 * l], H, eps, h.data() + b * H);
-    gemv(h.data(), H, li[0], big.data());
+    li[0].run(h.data(), B, big.data());
     for (int64_t b = 0; b < B; ++b) {
       float* qkv = big.data() + b * li[0].out;
       if (norms[4 * l + 2])
@@ -310,12 +326,12 @@ at::Tensor decode_step(const at::Tensor& x_, const c10::List<std::optional<at::T
     else
       attention(q.data(), k_cache[l].data_ptr<at::Half>(), v_cache[l].data_ptr<at::Half>(), table, ctx, B, s, scale,
                 attn.data());
-    gemv(attn.data(), QS, li[1], big.data());
+    li[1].run(attn.data(), B, big.data());
     for (int64_t i = 0; i < B * H; ++i) r[i] += big[i];
     for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, norms[4 * l + 1], H, eps, h.data() + b * H);
-    gemv(h.data(), H, li[2], big.data());
+    li[2].run(h.data(), B, big.data());
     silu_mul(big.data(), B, inter, h.data());
-    gemv(h.data(), inter, li[3], big.data());
+    li[3].run(h.data(), B, big.data());
     for (int64_t i = 0; i < B * H; ++i) r[i] += big[i];
   }
   for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, final_norm.data_ptr<float>(), H, eps, out.data_ptr<float>() + b * H);

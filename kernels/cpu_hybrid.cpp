@@ -1,6 +1,6 @@
 // hybrid_step: the decode step of a Qwen3.5-class Gated-DeltaNet hybrid for rows of one token each, in one call
 // (engine/model/cpu_hybrid.py). Built in one unit after cpu_native.cpp, cpu_dense.cpp and cpu_decode.cpp, whose
-// lowbit_into, dense_into, rms_row, attention and silu_mul it calls.
+// Linear, read_linear, rms_row, attention and silu_mul it calls.
 //
 // The arithmetic is the eager layers' (engine/model/gdn.py, qwen35.py) in float32, each linear dense float32 or low-bit
 // (the GEMVs of dense_linear and lowbit_linear). A GDN layer: RMSNorm, in_proj [qkv | z | b | a], the causal conv
@@ -20,32 +20,6 @@ enum { HY_IN_NORM, HY_POST_NORM, HY_MIX_IN, HY_MIX_OUT = HY_MIX_IN + 3, HY_GU = 
 // [Dv]; attention: q_norm, k_norm [head_dim], None, None.
 enum { GDN = 0, ATTN = 1 };
 constexpr float GDN_L2_EPS = 1e-6f;  // kernels/reference.GDN_NORM_EPS
-
-struct Lin {
-  at::Tensor w;
-  std::optional<at::Tensor> scales, mins;
-  bool sym = false;
-  int64_t in = 0, out = 0;
-  void run(const float* x, int64_t B, float* y) const {
-    if (scales) lowbit_into(x, B, in, w, *scales, mins, sym, y);
-    else dense_into(x, B, in, w.data_ptr<float>(), out, nullptr, y);
-  }
-};
-
-Lin make_lin(const c10::List<std::optional<at::Tensor>>& ws, int64_t at_, bool sym, int64_t in, int64_t out,
-             int64_t layer) {
-  auto w = ws.get(at_);
-  TORCH_CHECK(w, "hybrid_step: layer ", layer, " lacks a linear weight");
-  Lin l;
-  l.w = *w, l.scales = ws.get(at_ + 1), l.mins = ws.get(at_ + 2), l.sym = sym, l.in = in, l.out = w->size(0);
-  if (l.scales)
-    check_lowbit(in, l.w, *l.scales, l.mins, sym);
-  else
-    TORCH_CHECK(w->scalar_type() == at::kFloat && w->dim() == 2 && w->is_contiguous() && w->size(1) == in,
-                "hybrid_step: layer ", layer, ": a dense weight must be contiguous float32 [out, ", in, "]");
-  TORCH_CHECK(out < 0 || l.out == out, "hybrid_step: layer ", layer, ": a linear has ", l.out, " outputs, not ", out);
-  return l;
-}
 
 const float* vec(const c10::List<std::optional<at::Tensor>>& ws, int64_t i, int64_t n, int64_t layer) {
   auto t = ws.get(i);
@@ -220,19 +194,24 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
               "hybrid_step: the final norm must be float32 [hidden]");
   const float eps = static_cast<float>(eps_), scale = 1.f / std::sqrt(static_cast<float>(D));
 
-  std::vector<Lin> lin(4 * L);
+  std::vector<Linear> lin(4 * L);
   int64_t widest = 0, inter = 0;
   for (int64_t l = 0; l < L; ++l) {
     const bool gdn = kinds[l] == GDN;
     const int64_t base = l * HYB_PER_LAYER;
-    lin[4 * l] = make_lin(weights, base + HY_MIX_IN, syms[4 * l], H, gdn ? g.conv_dim + g.value_dim + 2 * g.hv
-                                                                         : 2 * QS + 2 * KS, l);
-    lin[4 * l + 1] = make_lin(weights, base + HY_MIX_OUT, syms[4 * l + 1], gdn ? g.value_dim : QS, H, l);
-    lin[4 * l + 2] = make_lin(weights, base + HY_GU, syms[4 * l + 2], H, -1, l);
+    auto read = [&](int64_t at_, int j, int64_t in) {
+      return read_linear(weights, base + at_, -1, syms[4 * l + j] != 0, in, "hybrid_step", l);
+    };
+    lin[4 * l] = read(HY_MIX_IN, 0, H);
+    lin[4 * l + 1] = read(HY_MIX_OUT, 1, gdn ? g.value_dim : QS);
+    lin[4 * l + 2] = read(HY_GU, 2, H);
     const int64_t li = lin[4 * l + 2].out / 2;
     TORCH_CHECK(lin[4 * l + 2].out % 2 == 0 && (!inter || li == inter), "hybrid_step: layer ", l, "'s MLP width");
     inter = li;
-    lin[4 * l + 3] = make_lin(weights, base + HY_DOWN, syms[4 * l + 3], inter, H, l);
+    lin[4 * l + 3] = read(HY_DOWN, 3, inter);
+    TORCH_CHECK(lin[4 * l].out == (gdn ? g.conv_dim + g.value_dim + 2 * g.hv : 2 * QS + 2 * KS) &&
+                lin[4 * l + 1].out == H && lin[4 * l + 3].out == H, "hybrid_step: layer ", l,
+                "'s shapes disagree with dims");
     vec(weights, base + HY_IN_NORM, H, l), vec(weights, base + HY_POST_NORM, H, l);
     if (gdn) {
       vec(weights, base + HY_A, g.conv_dim * g.kernel, l), vec(weights, base + HY_B, g.hv, l);
@@ -251,7 +230,7 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
   auto w = [&](int64_t l, int64_t i) { return weights.get(l * HYB_PER_LAYER + i)->data_ptr<float>(); };
   int64_t attn_at = 0, gdn_at = 0;
   for (int64_t l = 0; l < L; ++l) {
-    const Lin* li = &lin[4 * l];
+    const Linear* li = &lin[4 * l];
     for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, w(l, HY_IN_NORM), H, eps, h.data() + b * H);
     li[0].run(h.data(), B, big.data());
     if (kinds[l] == GDN) {

@@ -1,8 +1,8 @@
 """The CPU's decode step as one C++ call (kernels/cpu_decode.cpp, --cpu-compile auto).
 
-Eager, a decode step of a small model is ~3,000 small ATen calls around the low-bit GEMVs; on two cores the calls
-cost more than the GEMVs. Where a llama-family model's decoder layers all decode through the C++ low-bit kernel
-(engine/model/linear.use_cpu_kernel) and the KV cache holds floats (float32 or float16), every decode step runs the
+Eager, a decode step of a small model is ~3,000 small ATen calls around the GEMVs; on two cores the calls cost
+more than the GEMVs. Where a llama-family model's decoder layers all decode through the C++ kernels (low-bit or
+dense float32 weights, marked by engine/model/linear.use_cpu_kernel) and the KV cache holds floats (float32 or float16), every decode step runs the
 whole stack in C++: per layer the same norms and GEMVs as the eager layer, RoPE, the K/V writes and attention over
 each row's pages; the embedding lookup and the output layer stay in Python. Any number of sequences, any page
 layout; the runner's static forward (engine/model/graphs.py) keeps the steps this does not take.
@@ -14,6 +14,7 @@ import logging
 import torch
 
 from engine.model.head import embed_rows
+from engine.model.linear import Linear
 from engine.model.llama import DecoderLayer, LlamaModel
 from kernels import cpu_native
 from kernels.quant import QuantizedWeight
@@ -32,11 +33,8 @@ def why_not(model, kv) -> str | None:
         return f"{type(model).__name__} is not a llama-family decoder of plain attention layers"
     if model.dtype != torch.float32:
         return f"the activations are {model.dtype}, not float32"
-    for layer in model.layers:
-        for name in LINEARS:
-            w = getattr(layer, name).weight
-            if not (isinstance(w, QuantizedWeight) and w.cache.get("lowbit_native")):
-                return "not every linear weight of the layers is one the C++ decode kernel reads"
+    if not all(readable(getattr(layer, name)) for layer in model.layers for name in LINEARS):
+        return "not every linear weight of the layers is one the C++ decode kernels read"
     fmt = kv.format
     if fmt.k.quantized or fmt.v.quantized or fmt.k.rotate or kv.k[0].dtype not in (torch.float32, torch.float16):
         return f"the KV cache is {kv.kv_dtype} (float32 and float16 are read in C++)"
@@ -56,14 +54,11 @@ class FusedDecode:
         self.weights: list[torch.Tensor | None] = []
         self.syms: list[int] = []
         for layer in self.model.layers:
-            ops = [getattr(layer, name) for name in LINEARS]
-            qkv, o, gu, down = [lin.weight for lin in ops]
+            qkv, o, gu, down = [linear_entries(getattr(layer, name)) for name in LINEARS]
             self.weights += [layer.input_norm.float().contiguous(), layer.post_norm.float().contiguous(),
-                             qkv.qweight, qkv.scales, qkv.mins, _f32(ops[0].bias),
-                             o.qweight, o.scales, o.mins, _f32(ops[1].bias),
-                             gu.qweight, gu.scales, gu.mins, down.qweight, down.scales, down.mins,
+                             *qkv[0], _f32(layer.qkv.bias), *o[0], _f32(layer.o.bias), *gu[0], *down[0],
                              _f32(layer.q_norm), _f32(layer.k_norm)]
-            self.syms += [int(w.format == "int4_sym") for w in (qkv, o, gu, down)]
+            self.syms += [qkv[1], o[1], gu[1], down[1]]
         self.norm = self.model.norm.float().contiguous()
         self.dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim]
         self.eps, self.scale = cfg.rms_eps, cfg.head_dim ** -0.5
@@ -103,6 +98,21 @@ class FusedDecode:
         with torch.inference_mode():
             logits = self.model.lm_head(hidden).float()
         return [logits[i:i + 1] for i in range(len(works))]
+
+
+def readable(lin: Linear) -> bool:
+    """Whether the C++ step reads this linear's weight: marked by use_cpu_kernel (dense float32 or low-bit)."""
+    w = lin.weight
+    return lin.native_dense if isinstance(w, torch.Tensor) else bool(w.cache.get("lowbit_native"))
+
+
+def linear_entries(lin: Linear) -> tuple[list, int]:
+    """A linear's three weight entries for the C++ step (codes, scales, mins; or the float32 weight, None, None)
+    and its symmetry flag (symmetric 4-bit codes)."""
+    w = lin.weight
+    if isinstance(w, QuantizedWeight):
+        return [w.qweight, w.scales, w.mins], int(w.format == "int4_sym")
+    return [w, None, None], 0
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.cpu_fused import FusedDecode
+from engine.model.cpu_fused import FusedDecode, linear_entries, readable
 from engine.model.gdn import GDNLayer
 from engine.model.linear import Linear
 from engine.model.qwen35 import GatedAttentionLayer, Qwen35Model
 from kernels import cpu_native
-from kernels.quant import QuantizedWeight
 
 LINEARS = {GDNLayer: ("in_proj", "out", "gate_up", "down"), GatedAttentionLayer: ("qkv", "o", "gate_up", "down")}
 
@@ -23,10 +22,7 @@ def is_hybrid(model) -> bool:
 
 
 def _readable(lin: Linear) -> bool:
-    w = lin.weight
-    if lin.bias is not None:
-        return False
-    return lin.native_dense if isinstance(w, torch.Tensor) else bool(w.cache.get("lowbit_native"))
+    return lin.bias is None and readable(lin)  # hybrid_step takes no biases (Qwen3.5 has none)
 
 
 def why_not(model, kv, state) -> str | None:
@@ -50,14 +46,6 @@ def why_not(model, kv, state) -> str | None:
     return None
 
 
-def _linear(lin: Linear) -> tuple[list, int]:
-    """A linear's three entries of hybrid_step's weights, and its symmetry flag."""
-    w = lin.weight
-    if isinstance(w, QuantizedWeight):
-        return [w.qweight, w.scales, w.mins], int(w.format == "int4_sym")
-    return [w, None, None], 0
-
-
 class HybridDecode(FusedDecode):
     """Decode steps of one ModelRunner's Qwen3.5 hybrid as one C++ call each (`why_not` must have said None)."""
 
@@ -72,7 +60,7 @@ class HybridDecode(FusedDecode):
         for layer in self.model.layers:
             self.weights += [layer.input_norm.float().contiguous(), layer.post_norm.float().contiguous()]
             for name in LINEARS[type(layer)]:
-                entries, sym = _linear(getattr(layer, name))
+                entries, sym = linear_entries(getattr(layer, name))
                 self.weights += entries
                 self.syms.append(sym)
             if isinstance(layer, GDNLayer):

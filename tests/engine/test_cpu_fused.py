@@ -148,3 +148,20 @@ def test_a_hybrid_is_not_taken(tmp_path):
     hybrid = build_model(load_weights(path)[1], torch.float32, torch.device("cpu"), "int4")
     use_cpu_kernel(hybrid)
     assert "not a llama-family decoder" in cpu_fused.why_not(hybrid, None)
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 64})])
+def test_float32_weights_decode_in_one_call_and_match_transformers(tmp_path, arch, overrides):
+    """A dense float32 model (its linears marked for dense_linear's GEMV, qkv biases and q/k norms included): every
+    decode step's logits within 1e-5 of transformers' on the same weights, over scattered pages."""
+    hf, path = tiny_hf_model(arch, tmp_path / arch, seed=6, num_hidden_layers=3, **overrides)
+    model = build_model(load_weights(path)[1], torch.float32, torch.device("cpu"), "")
+    assert use_cpu_kernel(model) is not None
+    r = runner(model, True)
+    assert r.graphs.fused is not None
+    ids = tokens(8, 70, model.cfg.vocab_size)
+    got = forced(r, ids, 5, [9, 3, 4, 17, 0, 12])
+    assert r.graphs.fused.steps == len(ids) - 5
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0, 5:].float()
+    assert rel_err(got, want) <= 1e-5
