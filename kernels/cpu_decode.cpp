@@ -169,6 +169,23 @@ void attention(const float* q, const T* kc, const T* vc, const int32_t* table, c
   }
 }
 
+// n floats into a float32 or float16 cache at element `at`
+inline void store_row(const at::Tensor& cache, int64_t at, const float* src, int64_t n) {
+  if (cache.scalar_type() == at::kFloat)
+    store_kv(cache.data_ptr<float>() + at, src, n);
+  else
+    store_kv(cache.data_ptr<at::Half>() + at, src, n);
+}
+
+// attention over a float32 or float16 K/V cache (both alike)
+void attend(const float* q, const at::Tensor& kc, const at::Tensor& vc, const int32_t* table, const int32_t* ctx,
+            int64_t B, const Shape& s, float scale, float* out) {
+  if (kc.scalar_type() == at::kFloat)
+    attention(q, kc.data_ptr<float>(), vc.data_ptr<float>(), table, ctx, B, s, scale, out);
+  else
+    attention(q, kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>(), table, ctx, B, s, scale, out);
+}
+
 // x [heads, dim] rotated by one position's cos/sin rows [dim / 2] (half-split: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s))
 inline void rope(float* x, int64_t heads, int64_t D, const float* c, const float* sn) {
   const int64_t half = D / 2;
@@ -231,6 +248,39 @@ Linear read_linear(const c10::List<std::optional<at::Tensor>>& ws, int64_t at_, 
   return l;
 }
 
+// the checks of a step's row operands: positions and KV slots [B] int64 (each slot below `slots_total`), a page table
+// [B, P] and context lengths [B] int32 (each at most `ctx_max`), cos/sin float32 [positions, rotated / 2]
+void check_rows(const char* op, int64_t B, const at::Tensor& positions, const at::Tensor& slots,
+                const at::Tensor& page_table, const at::Tensor& ctx_lens, const at::Tensor& cos, const at::Tensor& sin,
+                int64_t rotated, int64_t slots_total, int64_t ctx_max) {
+  TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.is_contiguous() && page_table.size(0) == B &&
+              ctx_lens.scalar_type() == at::kInt && ctx_lens.numel() == B && positions.numel() == B &&
+              slots.numel() == B && positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong, op,
+              ": positions, slots [B] int64; page_table [B, P], ctx_lens [B] int32");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == rotated / 2 &&
+              sin.sizes() == cos.sizes() && cos.is_contiguous() && sin.is_contiguous(), op,
+              ": cos/sin float32 [positions, rotated dims / 2]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int32_t* ctx = ctx_lens.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0) && slot[b] >= 0 && slot[b] < slots_total && ctx[b] >= 1 &&
+                ctx[b] <= ctx_max, op, ": row ", b, "'s position, slot or context is out of range");
+}
+
+// the rest of a layer after its mixing (attention, or a GDN layer's) for B rows: r += li[1](mixed); h = RMSNorm(r);
+// r += li[3](silu(gate) * up) over [gate | up] = li[2](h); h and big are scratch rows
+void finish_layer(const Linear* li, const float* mixed, const float* post_norm, int64_t B, int64_t H, int64_t inter,
+                  float eps, float* r, float* h, float* big) {
+  li[1].run(mixed, B, big);
+  for (int64_t i = 0; i < B * H; ++i) r[i] += big[i];
+  for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, post_norm, H, eps, h + b * H);
+  li[2].run(h, B, big);
+  silu_mul(big, B, inter, h);
+  li[3].run(h, B, big);
+  for (int64_t i = 0; i < B * H; ++i) r[i] += big[i];
+}
+
 at::Tensor decode_step(const at::Tensor& x_, const c10::List<std::optional<at::Tensor>>& weights,
                        at::IntArrayRef syms, const at::Tensor& final_norm, at::TensorList k_cache,
                        at::TensorList v_cache, const at::Tensor& cos, const at::Tensor& sin,
@@ -252,19 +302,11 @@ at::Tensor decode_step(const at::Tensor& x_, const c10::List<std::optional<at::T
     TORCH_CHECK(k_cache[l].is_contiguous() && v_cache[l].is_contiguous() && k_cache[l].sizes() == k_cache[0].sizes() &&
                 v_cache[l].sizes() == k_cache[0].sizes() && k_cache[l].scalar_type() == kv_type &&
                 v_cache[l].scalar_type() == kv_type, "decode_step: every layer's K and V like the first's");
-  TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.is_contiguous() && page_table.size(0) == B &&
-              ctx_lens.scalar_type() == at::kInt && ctx_lens.numel() == B && positions.numel() == B &&
-              slots.numel() == B && positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
-              "decode_step: positions, slots [B] int64; page_table [B, P], ctx_lens [B] int32");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D / 2 && sin.sizes() == cos.sizes() &&
-              cos.is_contiguous() && sin.is_contiguous(), "decode_step: cos/sin float32 [positions, head_dim / 2]");
+  check_rows("decode_step", B, positions, slots, page_table, ctx_lens, cos, sin, D, k_cache[0].size(0) * s.page_size,
+             P * s.page_size);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int32_t* ctx = ctx_lens.data_ptr<int32_t>();
-  const int64_t total_slots = k_cache[0].size(0) * s.page_size;
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0) && slot[b] >= 0 && slot[b] < total_slots && ctx[b] >= 1 &&
-                ctx[b] <= P * s.page_size, "decode_step: row ", b, "'s position, slot or context is out of range");
   const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
 
   std::vector<Linear> lin(4 * L);
@@ -311,28 +353,11 @@ at::Tensor decode_step(const at::Tensor& x_, const c10::List<std::optional<at::T
       rope(qkv, s.heads + s.kv_heads, D, cos.data_ptr<float>() + pos[b] * (D / 2),
            sin.data_ptr<float>() + pos[b] * (D / 2));
       std::copy(qkv, qkv + QS, q.data() + b * QS);
-      if (kv_type == at::kFloat) {
-        store_kv(k_cache[l].data_ptr<float>() + slot[b] * KS, qkv + QS, KS);
-        store_kv(v_cache[l].data_ptr<float>() + slot[b] * KS, qkv + QS + KS, KS);
-      } else {
-        store_kv(k_cache[l].data_ptr<at::Half>() + slot[b] * KS, qkv + QS, KS);
-        store_kv(v_cache[l].data_ptr<at::Half>() + slot[b] * KS, qkv + QS + KS, KS);
-      }
+      store_row(k_cache[l], slot[b] * KS, qkv + QS, KS);
+      store_row(v_cache[l], slot[b] * KS, qkv + QS + KS, KS);
     }
-    const int32_t* table = page_table.data_ptr<int32_t>();
-    if (kv_type == at::kFloat)
-      attention(q.data(), k_cache[l].data_ptr<float>(), v_cache[l].data_ptr<float>(), table, ctx, B, s, scale,
-                attn.data());
-    else
-      attention(q.data(), k_cache[l].data_ptr<at::Half>(), v_cache[l].data_ptr<at::Half>(), table, ctx, B, s, scale,
-                attn.data());
-    li[1].run(attn.data(), B, big.data());
-    for (int64_t i = 0; i < B * H; ++i) r[i] += big[i];
-    for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, norms[4 * l + 1], H, eps, h.data() + b * H);
-    li[2].run(h.data(), B, big.data());
-    silu_mul(big.data(), B, inter, h.data());
-    li[3].run(h.data(), B, big.data());
-    for (int64_t i = 0; i < B * H; ++i) r[i] += big[i];
+    attend(q.data(), k_cache[l], v_cache[l], page_table.data_ptr<int32_t>(), ctx, B, s, scale, attn.data());
+    finish_layer(li, attn.data(), norms[4 * l + 1], B, H, inter, eps, r, h.data(), big.data());
   }
   for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, final_norm.data_ptr<float>(), H, eps, out.data_ptr<float>() + b * H);
   return out;

@@ -1,6 +1,6 @@
 // hybrid_step: the decode step of a Qwen3.5-class Gated-DeltaNet hybrid for rows of one token each, in one call
 // (engine/model/cpu_hybrid.py). Built in one unit after cpu_native.cpp, cpu_dense.cpp and cpu_decode.cpp, whose
-// Linear, read_linear, rms_row, attention and silu_mul it calls.
+// Linear, read_linear, rms_row, attention and finish_layer it calls.
 //
 // The arithmetic is the eager layers' (engine/model/gdn.py, qwen35.py) in float32, each linear dense float32 or low-bit
 // (the GEMVs of dense_linear and lowbit_linear). A GDN layer: RMSNorm, in_proj [qkv | z | b | a], the causal conv
@@ -177,19 +177,12 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(sslot[b] >= 0 && sslot[b] < cs.size(0), "hybrid_step: row ", b, "'s state slot is out of range");
   }
-  TORCH_CHECK(page_table.scalar_type() == at::kInt && page_table.is_contiguous() && page_table.size(0) == B &&
-              ctx_lens.scalar_type() == at::kInt && ctx_lens.numel() == B && positions.numel() == B &&
-              slots.numel() == B && positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong,
-              "hybrid_step: positions, slots [B] int64; page_table [B, P], ctx_lens [B] int32");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == R / 2 && sin.sizes() == cos.sizes() &&
-              cos.is_contiguous() && sin.is_contiguous(), "hybrid_step: cos/sin float32 [positions, rotated / 2]");
+  if (n_attn)
+    check_rows("hybrid_step", B, positions, slots, page_table, ctx_lens, cos, sin, R, k_cache[0].size(0) * s.page_size,
+               s.pages * s.page_size);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int32_t* ctx = ctx_lens.data_ptr<int32_t>();
-  const int64_t total_slots = n_attn ? k_cache[0].size(0) * s.page_size : 0;
-  for (int64_t b = 0; b < B && n_attn; ++b)
-    TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0) && slot[b] >= 0 && slot[b] < total_slots && ctx[b] >= 1 &&
-                ctx[b] <= s.pages * s.page_size, "hybrid_step: row ", b, "'s position, slot or context is out of range");
   TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H && final_norm.is_contiguous(),
               "hybrid_step: the final norm must be float32 [hidden]");
   const float eps = static_cast<float>(eps_), scale = 1.f / std::sqrt(static_cast<float>(D));
@@ -250,31 +243,15 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
         const float *c = cos.data_ptr<float>() + pos[b] * (R / 2), *sn = sin.data_ptr<float>() + pos[b] * (R / 2);
         rope_part(qb, s.heads, D, R, c, sn);
         rope_part(kv, s.kv_heads, D, R, c, sn);
-        if (kv_type == at::kFloat) {
-          store_kv(k_cache[attn_at].data_ptr<float>() + slot[b] * KS, kv, KS);
-          store_kv(v_cache[attn_at].data_ptr<float>() + slot[b] * KS, kv + KS, KS);
-        } else {
-          store_kv(k_cache[attn_at].data_ptr<at::Half>() + slot[b] * KS, kv, KS);
-          store_kv(v_cache[attn_at].data_ptr<at::Half>() + slot[b] * KS, kv + KS, KS);
-        }
+        store_row(k_cache[attn_at], slot[b] * KS, kv, KS);
+        store_row(v_cache[attn_at], slot[b] * KS, kv + KS, KS);
       }
-      const int32_t* table = page_table.data_ptr<int32_t>();
-      if (kv_type == at::kFloat)
-        attention(q.data(), k_cache[attn_at].data_ptr<float>(), v_cache[attn_at].data_ptr<float>(), table, ctx, B, s,
-                  scale, attn.data());
-      else
-        attention(q.data(), k_cache[attn_at].data_ptr<at::Half>(), v_cache[attn_at].data_ptr<at::Half>(), table, ctx,
-                  B, s, scale, attn.data());
+      attend(q.data(), k_cache[attn_at], v_cache[attn_at], page_table.data_ptr<int32_t>(), ctx, B, s, scale,
+             attn.data());
       for (int64_t i = 0; i < B * QS; ++i) attn[i] *= 1.f / (1.f + std::exp(-gate[i]));
       ++attn_at;
     }
-    li[1].run(attn.data(), B, big.data());
-    for (int64_t i = 0; i < B * H; ++i) r[i] += big[i];
-    for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, w(l, HY_POST_NORM), H, eps, h.data() + b * H);
-    li[2].run(h.data(), B, big.data());
-    silu_mul(big.data(), B, inter, h.data());
-    li[3].run(h.data(), B, big.data());
-    for (int64_t i = 0; i < B * H; ++i) r[i] += big[i];
+    finish_layer(li, attn.data(), w(l, HY_POST_NORM), B, H, inter, eps, r, h.data(), big.data());
   }
   for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, final_norm.data_ptr<float>(), H, eps, out.data_ptr<float>() + b * H);
   return out;

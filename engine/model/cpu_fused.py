@@ -26,14 +26,23 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 
 def why_not(model, kv) -> str | None:
     """None when `model` on cache `kv` decodes through decode_step; else why not (for the load log)."""
+    return unreadable(model, kv, LlamaModel, {DecoderLayer: LINEARS}, "a llama-family decoder of plain attention layers")
+
+
+def unreadable(model, kv, model_type: type, linears: dict[type, tuple[str, ...]], what: str,
+               biases: bool = True) -> str | None:
+    """Why a C++ step cannot run `model` on cache `kv` (None: it can): the model and each layer must be exactly of
+    the types it knows (a subclass may change what a layer or the final norm computes), its activations float32,
+    the linears `linears` names per layer type marked for the C++ kernels (without biases unless `biases`), the KV
+    cache float32 or float16, head_dim a multiple of 8."""
     if not cpu_native.loaded():
         return "the C++ kernels are not loaded"
-    # exact types: a subclass may change what a layer or the final norm computes (the C++ step would not know)
-    if type(model) is not LlamaModel or any(type(layer) is not DecoderLayer for layer in model.layers):
-        return f"{type(model).__name__} is not a llama-family decoder of plain attention layers"
+    if type(model) is not model_type or any(type(layer) not in linears for layer in model.layers):
+        return f"{type(model).__name__} is not {what}"
     if model.dtype != torch.float32:
         return f"the activations are {model.dtype}, not float32"
-    if not all(readable(getattr(layer, name)) for layer in model.layers for name in LINEARS):
+    if not all(readable(lin) and (biases or lin.bias is None)
+               for layer in model.layers for lin in (getattr(layer, n) for n in linears[type(layer)])):
         return "not every linear weight of the layers is one the C++ decode kernels read"
     fmt = kv.format
     if fmt.k.quantized or fmt.v.quantized or fmt.k.rotate or kv.k[0].dtype not in (torch.float32, torch.float16):

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.cpu_fused import FusedDecode, linear_entries, readable
+from engine.model.cpu_fused import FusedDecode, linear_entries, unreadable
 from engine.model.gdn import GDNLayer
-from engine.model.linear import Linear
 from engine.model.qwen35 import GatedAttentionLayer, Qwen35Model
 from kernels import cpu_native
 
@@ -21,29 +20,13 @@ def is_hybrid(model) -> bool:
     return isinstance(model, Qwen35Model)
 
 
-def _readable(lin: Linear) -> bool:
-    return lin.bias is None and readable(lin)  # hybrid_step takes no biases (Qwen3.5 has none)
-
-
 def why_not(model, kv, state) -> str | None:
-    """None when the hybrid `model` on cache `kv` and state pool `state` decodes through hybrid_step; else why not."""
-    if not cpu_native.loaded():
-        return "the C++ kernels are not loaded"
-    # exact types: a subclass may change what a layer computes (the C++ step would not know)
-    if type(model) is not Qwen35Model or any(type(layer) not in LINEARS for layer in model.layers):
-        return f"{type(model).__name__} is not a Qwen3.5 hybrid of GDN and gated attention layers"
-    if model.dtype != torch.float32:
-        return f"the activations are {model.dtype}, not float32"
-    if not all(_readable(getattr(layer, name)) for layer in model.layers for name in LINEARS[type(layer)]):
-        return "not every linear weight of the layers is one the C++ decode kernels read"
-    fmt = kv.format
-    if fmt.k.quantized or fmt.v.quantized or fmt.k.rotate or kv.k[0].dtype not in (torch.float32, torch.float16):
-        return f"the KV cache is {kv.kv_dtype} (float32 and float16 are read in C++)"
-    if model.cfg.head_dim % 8:
-        return f"head_dim {model.cfg.head_dim} is not a multiple of 8"
-    if state is None or any(t["conv"].dtype != torch.float32 for t in state.layers):
+    """None when the hybrid `model` on cache `kv` and state pool `state` decodes through hybrid_step; else why not
+    (hybrid_step takes no biases: Qwen3.5 has none)."""
+    why = unreadable(model, kv, Qwen35Model, LINEARS, "a Qwen3.5 hybrid of GDN and gated attention layers", False)
+    if why is None and (state is None or any(t["conv"].dtype != torch.float32 for t in state.layers)):
         return "the GDN conv states are not float32"
-    return None
+    return why
 
 
 class HybridDecode(FusedDecode):
