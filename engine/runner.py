@@ -14,7 +14,7 @@ from engine.kv.table import PageTable
 from engine.memory.geometry import PAGE_SIZE, pads
 from engine.memory.state import SeqState, StatePool
 from engine.model.batch import ForwardBatch
-from engine.model.cpu_fused import make as cpu_fused_step
+from engine.model.cpu_hybrid import make as cpu_fused_step
 from engine.model.cpu_step import CompiledStep
 from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs
 from engine.model.interrupt import Interrupt
@@ -50,8 +50,8 @@ class ModelRunner:
         `max_batch`: the most sequences a step runs (0: unknown); padded batches of more than 2 have dummy rows,
         whose recurrent state steps in one more, scratch, slot; `cpu_step` (--cpu-compile step): on the CPU, a decode
         step of one sequence runs as one compiled graph (engine/model/cpu_step.py), where it compiles; `cpu_fused`
-        (--cpu-compile auto): on the CPU, decode steps run as one C++ call (engine/model/cpu_fused.py), where the
-        model's layers and KV cache allow it.
+        (--cpu-compile auto): on the CPU, decode steps run as one C++ call (engine/model/cpu_fused.py, a hybrid's
+        cpu_hybrid.py), where the model's layers and KV cache allow it.
 
         The model's `cache_specs` (engine/memory/specs.py, one per layer) size the pools: the KV cache holds the
         attention layers (indexed by their ordinal among them), the state pool the recurrent ones."""

@@ -9,8 +9,6 @@ layout; the runner's static forward (engine/model/graphs.py) keeps the steps thi
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from engine.model.head import embed_rows
@@ -18,8 +16,6 @@ from engine.model.linear import Linear
 from engine.model.llama import DecoderLayer, LlamaModel
 from kernels import cpu_native
 from kernels.quant import QuantizedWeight
-
-log = logging.getLogger("ninfer.model")
 
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -126,16 +122,3 @@ def linear_entries(lin: Linear) -> tuple[list, int]:
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float().contiguous()
-
-
-def make(runner) -> FusedDecode | None:
-    """The runner's fused decode step (a hybrid's: engine/model/cpu_hybrid.py), or None (the reason logged once)."""
-    from engine.model import cpu_hybrid
-    hybrid = cpu_hybrid.is_hybrid(runner.model)
-    why = cpu_hybrid.why_not(runner.model, runner.kv, runner.state) if hybrid else why_not(runner.model, runner.kv)
-    if why is not None:
-        log.info("decode steps run layer by layer in Python: %s", why)
-        return None
-    fused = cpu_hybrid.HybridDecode(runner) if hybrid else FusedDecode(runner)
-    log.info("decode steps run as one C++ call each (%s)", fused.source)
-    return fused

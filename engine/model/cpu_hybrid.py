@@ -6,12 +6,17 @@ attention layers over each row's pages. Each linear is read as loaded: dense flo
 weight the C++ kernel reads. The embedding lookup and the output layer stay in Python."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from engine.model import cpu_fused
 from engine.model.cpu_fused import FusedDecode, linear_entries, unreadable
 from engine.model.gdn import GDNLayer
 from engine.model.qwen35 import GatedAttentionLayer, Qwen35Model
 from kernels import cpu_native
+
+log = logging.getLogger("ninfer.model")
 
 LINEARS = {GDNLayer: ("in_proj", "out", "gate_up", "down"), GatedAttentionLayer: ("qkv", "o", "gate_up", "down")}
 
@@ -65,3 +70,16 @@ class HybridDecode(FusedDecode):
         return self.op(x, self.weights, self.kinds, self.syms, self.norm, self.kv.k, self.kv.v,
                        [t["conv"] for t in layers], [t["ssm"] for t in layers], torch.tensor(state_slots),
                        rotary.cos, rotary.sin, positions, slots, table, ctx, self.dims, self.eps)
+
+
+def make(runner) -> FusedDecode | None:
+    """The runner's C++ decode step: a hybrid's (HybridDecode) or a llama-family model's (FusedDecode); None where
+    neither runs it (the reason logged once)."""
+    hybrid = is_hybrid(runner.model)
+    why = why_not(runner.model, runner.kv, runner.state) if hybrid else cpu_fused.why_not(runner.model, runner.kv)
+    if why is not None:
+        log.info("decode steps run layer by layer in Python: %s", why)
+        return None
+    fused = HybridDecode(runner) if hybrid else FusedDecode(runner)
+    log.info("decode steps run as one C++ call each (%s)", fused.source)
+    return fused

@@ -103,9 +103,11 @@ def test_compare_llamacpp_reports_the_peer_under_its_name(tmp_path, monkeypatch,
     assert "greedy outputs agree on the first 0 of 4 tokens" in text  # the stand-in's tokens are not the model's
 
 
-def test_profile_steps_counts_each_layers_operators_per_decode_step(tmp_path, capsys):
-    """ninfer-bench --profile-steps 3 on a tiny model: three decode steps profiled after the prefill; each layer's
-    decode attention is one baddbmm (scores) and one bmm (P @ V) per step, printed and kept in the JSON."""
+@pytest.mark.parametrize("cpu_compile", ["off", "auto"])
+def test_profile_steps_counts_each_layers_operators_per_decode_step(tmp_path, capsys, cpu_compile):
+    """ninfer-bench --profile-steps 3 on a tiny float32 model: three decode steps profiled after the prefill. Eager
+    (--cpu-compile off) each layer's decode attention is one baddbmm (scores) and one bmm (P @ V) per step; with the
+    C++ step (auto) a step is one decode_step call and the output layer's GEMV. Printed and kept in the JSON."""
     import json
 
     from engine.tools.bench.cli import main
@@ -115,11 +117,16 @@ def test_profile_steps_counts_each_layers_operators_per_decode_step(tmp_path, ca
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
     out = tmp_path / "bench.json"
     assert main([str(folder), "--compare", "none", "--prompt-tokens", "40", "--gen-tokens", "6", "--repeat", "1",
-                 "--threads", "1", "--profile-steps", "3", "--json", str(out)]) == 0
+                 "--threads", "1", "--profile-steps", "3", "--cpu-compile", cpu_compile, "--json", str(out)]) == 0
     profile = json.loads(out.read_text())["profile"]
     assert profile["steps"] == 3 and profile["ms_per_step"] > 0
     calls = {op["op"]: op["calls_per_step"] for op in profile["ops"]}
-    assert calls["aten::baddbmm"] == layers and calls["aten::bmm"] == layers
+    if cpu_compile == "off":
+        assert calls["aten::baddbmm"] == layers and calls["aten::bmm"] == layers
+        assert "ninfer_cpu::decode_step" not in calls
+    else:
+        assert calls["ninfer_cpu::decode_step"] == 1 and calls["ninfer_cpu::dense_linear"] == 1
+        assert "aten::baddbmm" not in calls
     assert profile["aten_calls_per_step"] >= sum(calls.values()) - 1e-9
     assert abs(sum(op["share"] for op in profile["ops"]) - 1) < 1e-6
     text = capsys.readouterr().out
