@@ -62,14 +62,16 @@ class HybridDecode(FusedDecode):
         self.dims = [cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotated, n.num_k_heads, n.num_v_heads,
                      n.head_k_dim, n.head_v_dim, n.conv_kernel]
         self.eps = cfg.rms_eps
+        self.conv_states = [t["conv"] for t in self.state.layers]  # the pool's tensors, allocated once
+        self.ssm_states = [t["ssm"] for t in self.state.layers]
         self.op = cpu_native.hybrid_step_op()
         self.steps = 0
 
     def call(self, x, positions, slots, table, ctx, state_slots) -> torch.Tensor:
-        rotary, layers = self.model.rotary, self.state.layers
-        return self.op(x, self.weights, self.kinds, self.syms, self.norm, self.kv.k, self.kv.v,
-                       [t["conv"] for t in layers], [t["ssm"] for t in layers], torch.tensor(state_slots),
-                       rotary.cos, rotary.sin, positions, slots, table, ctx, self.dims, self.eps)
+        rotary = self.model.rotary
+        return self.op(x, self.weights, self.kinds, self.syms, self.norm, self.kv.k, self.kv.v, self.conv_states,
+                       self.ssm_states, torch.tensor(state_slots), rotary.cos, rotary.sin, positions, slots, table,
+                       ctx, self.dims, self.eps)
 
 
 def make(runner) -> FusedDecode | None:
