@@ -5,7 +5,7 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from engine.memory.geometry import PAGE_SIZE, state_slots, state_snapshots
 from engine.ledger import MIB, Ledger, ModelShape, build_ledger
 from engine.model.config import ModelConfig
 from engine.model.formats import pick_dtype, pick_kv_dtype, weight_format
-from engine.model.head import use_project_cache
+from engine.kernel_cache import use_kernel_cache
 from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS, dense_cpu_dtype, use_cpu_kernel
 from engine.model.registry import build_model
 from engine.model.loader import load_weights
@@ -105,13 +105,36 @@ def in_own_thread(fn):
     return on_own_thread
 
 
+@dataclass
+class LoadedModel:
+    """A model read, converted and self-checked, before any sequence memory exists: what `assemble_engine` builds
+    engines over. `config` holds the settings it was loaded under (MODEL_FIELDS are the ones that shaped it)."""
+    net: Any  # the model (engine/model/registry.py)
+    tokenizer: Tokenizer
+    config: ModelConfig
+    path: Path
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype | str
+    weight_format: str  # "" = dense
+    settings: EngineConfig
+    storage: str = ""
+    mtp_tensors: dict = field(default_factory=dict)
+    load_seconds: float = 0.0
+
+
+# the settings load_model reads: two engines over one LoadedModel must agree on them (the self-check ran with the KV
+# dtype; --cpu-compile, the weight dtype and the dense prompt path change the model's layers)
+MODEL_FIELDS = ("device", "threads", "weight_dtype", "kv_dtype", "prefill_cublas", "cpu_compile", "gdn_state_fp16",
+                "allow_lossy_format")
+
+
 @in_own_thread
-def build_engine(model: str | Path | None = None, config: EngineConfig | None = None, *,
-                 progress: Progress | None = None, cancel: threading.Event | None = None,
-                 **settings: Any) -> LoadedEngine:
-    """Loads the model and builds its engine under `config` (engine/engine_config.py; keyword `settings` change
-    single fields of it, e.g. build_engine(path, max_context=1024)), on a thread of its own that ends with the
-    loading (`in_own_thread`)."""
+def load_model(model: str | Path | None = None, config: EngineConfig | None = None, *,
+               progress: Progress | None = None, cancel: threading.Event | None = None,
+               **settings: Any) -> LoadedModel:
+    """Reads the model, converts it to the formats `config` asks for (MODEL_FIELDS) and self-checks lossy formats,
+    on a thread of its own that ends with the loading (`in_own_thread`)."""
     c = (config or EngineConfig()).replace(**settings)
     t0 = time.perf_counter()
     dev = torch.device(resolve_device(c.device))
@@ -134,7 +157,7 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto", **options)
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
     if dev.type == "cpu" and c.cpu_compile != "off":
-        use_project_cache()
+        use_kernel_cache()
         done = use_cpu_kernel(net)
         if done is None:
             log.warning("decoder layers: the C++ decode kernels are not available (%s); they decode through ATen's "
@@ -146,6 +169,22 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     selfcheck.run(weights, net, fmt, kdtype, tokenizer, allow=c.allow_lossy_format)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights
+    return LoadedModel(net, tokenizer, cfg, path, dev, wdtype, kdtype, fmt, c, storage, mtp_tensors,
+                       time.perf_counter() - t0)
+
+
+@in_own_thread
+def assemble_engine(model: LoadedModel, config: EngineConfig | None = None, **settings: Any) -> LoadedEngine:
+    """An engine over a loaded model: its sequence memory sized by the ledger, its runner, speculator and Engine.
+    `config` must agree with the model's on MODEL_FIELDS (default: the model's own settings); several engines may be
+    assembled over one model, one running at a time (they share its layers' scratch buffers)."""
+    c = (config or model.settings).replace(**settings)
+    differ = [f for f in MODEL_FIELDS if getattr(c, f) != getattr(model.settings, f)]
+    if differ:
+        raise ValueError(f"assemble_engine: {', '.join(differ)} differ from the settings the model was loaded with; "
+                         f"load the model again (load_model) for those")
+    t0 = time.perf_counter()
+    cfg, dev, net, fmt = model.config, model.device, model.net, model.weight_format
     if c.max_context > cfg.max_position:
         raise NInferError(f"--max-context {c.max_context} is beyond this model's trained context of "
                           f"{cfg.max_position} tokens.", f"Use --max-context {cfg.max_position} or less (0 = the model's).")
@@ -161,8 +200,8 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     # on the CPU, --cpu-compile auto or step also takes the dense prompt path (linear.DenseScratch): float32
     # products, about 2x the low-bit kernels' speed from 64 rows on an AVX2 CPU (docs/KERNELS.md)
     dense_prefill = c.prefill_cublas or bool(dev.type == "cpu" and fmt and c.cpu_compile != "off")
-    runner = ModelRunner(net, pages, kdtype, PAGE_SIZE, host_pages=host_pages, host_pinned=not c.host_pageable,
-                         prefill_cublas=dense_prefill, cuda_graphs=c.cuda_graphs,
+    runner = ModelRunner(net, pages, model.kv_dtype, PAGE_SIZE, host_pages=host_pages,
+                         host_pinned=not c.host_pageable, prefill_cublas=dense_prefill, cuda_graphs=c.cuda_graphs,
                          state_slots=state_slots(c.max_concurrency, c.speculative),
                          max_batch=c.max_concurrency, cpu_step=c.cpu_compile == "step" and dev.type == "cpu",
                          cpu_fused=c.cpu_compile == "auto" and dev.type == "cpu")
@@ -170,11 +209,23 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
         log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s%s", PREFILL_DENSE_ROWS,
                  f" in {str(dense_cpu_dtype()).split('.')[-1]}" if dev.type == "cpu" else "",
                  "" if fmt else " (the weights are dense: nothing to do)")
-    speculator = make_speculator(c, target=net, runner=runner, tokenizer=tokenizer, target_path=path,
-                                 mtp_weights=mtp_tensors)
-    del mtp_tensors
+    speculator = make_speculator(c, target=net, runner=runner, tokenizer=model.tokenizer, target_path=model.path,
+                                 mtp_weights=model.mtp_tensors)
     if speculator is not None:
         log.info("speculative decoding: %s, up to %d draft tokens", speculator.method, speculator.max_draft)
-    engine = Engine(runner, c.replace(max_context=context), eos_ids=tokenizer.eos_token_ids, speculator=speculator,
-                    state_snapshots=snapshots)
-    return LoadedEngine(engine, tokenizer, cfg, path, dev, wdtype, time.perf_counter() - t0, ledger, storage)
+    engine = Engine(runner, c.replace(max_context=context), eos_ids=model.tokenizer.eos_token_ids,
+                    speculator=speculator, state_snapshots=snapshots)
+    return LoadedEngine(engine, model.tokenizer, cfg, model.path, dev, model.dtype,
+                        model.load_seconds + time.perf_counter() - t0, ledger, model.storage)
+
+
+def build_engine(model: str | Path | None = None, config: EngineConfig | None = None, *,
+                 progress: Progress | None = None, cancel: threading.Event | None = None,
+                 **settings: Any) -> LoadedEngine:
+    """Loads the model and builds its engine under `config` (engine/engine_config.py; keyword `settings` change
+    single fields of it, e.g. build_engine(path, max_context=1024)): load_model, then assemble_engine."""
+    c = (config or EngineConfig()).replace(**settings)
+    loaded = load_model(model, c, progress=progress, cancel=cancel)
+    engine = assemble_engine(loaded, c)
+    loaded.mtp_tensors = {}  # the speculator holds what it took
+    return engine

@@ -10,11 +10,11 @@ can be built (no C++ compiler) or --cpu-compile is off, the layer is dense float
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
+from engine.kernel_cache import use_kernel_cache
 from engine.model.linear import Linear, Weight
 from kernels import cpu_compiled, cpu_native
 from kernels.quant import QuantizedWeight, as_int8, dequantize
@@ -52,7 +52,7 @@ def output_layer(weight: Weight, dtype: torch.dtype, device: torch.device, cpu_c
     if cpu_compile == "off" or weight.out_features * weight.in_features < COMPILE_MIN_WEIGHTS:
         return Linear(dequantize(weight, torch.float32).to(dtype))
     codes = _int8_codes(weight)
-    use_project_cache()
+    use_kernel_cache()
     why = cpu_compiled.ready(codes)
     if why is not None:
         log.warning("output layer: the compiled CPU kernel is not available (%s); it runs dense float32 instead "
@@ -74,18 +74,3 @@ def _int8_codes(qw: QuantizedWeight) -> QuantizedWeight:
     mins = None if qw.mins is None or not bool(qw.mins.any()) else qw.mins.float().contiguous()
     return QuantizedWeight("int8", qw.qweight.contiguous(), qw.scales.float().contiguous(), mins, qw.group_size,
                            qw.shape)
-
-
-def use_project_cache() -> None:
-    """Inductor's compiled artifacts go to $NINFER_HOME/cache/inductor, else to the user's cache folder (kept across
-    starts and reboots, so a restart loads instead of compiling); TORCHINDUCTOR_CACHE_DIR, where set, wins."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return
-    home = os.environ.get("NINFER_HOME", "").strip()
-    if home:
-        root = os.path.join(os.path.expanduser(home), "cache")
-    else:
-        from platformdirs import user_cache_dir
-
-        root = user_cache_dir("ninfer", appauthor=False)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")

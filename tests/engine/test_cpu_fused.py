@@ -22,14 +22,13 @@ from engine.model.loader import load_weights
 from engine.model.registry import build_model
 from engine.runner import ModelRunner, Work
 from engine.tools.bench.cli import decode_path
-from kernels import cpu_native
 from kernels.quant import dequantize
 from tests.engine.helpers import rel_err, tiny_hf_model
 
 PAGE = 16
 NUM_PAGES = 24
 
-pytestmark = pytest.mark.skipif(cpu_native.ready() is not None, reason="needs a C++ compiler (the kernels build)")
+pytestmark = pytest.mark.usefixtures("cpp_kernels")  # built on first use, not at collection
 
 CASES = {  # arch, weight format, config overrides
     "llama-int4": ("llama", "int4", {}),

@@ -21,12 +21,11 @@ from engine.model.loader import load_weights
 from engine.model.registry import build_model
 from engine.runner import ModelRunner, Work
 from engine.tools.bench.cli import decode_path
-from kernels import cpu_native
 from tests.engine.helpers import rel_err
 from tests.engine.qwen35_models import VOCAB, tiny_checkpoint
 
 PAGE = 16
-pytestmark = pytest.mark.skipif(cpu_native.ready() is not None, reason="needs a C++ compiler (the kernels build)")
+pytestmark = pytest.mark.usefixtures("cpp_kernels")  # built on first use, not at collection
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +97,11 @@ def test_fp16_state_and_fp16_kv_match_the_eager_layers(checkpoint):
     fused, eager = runner(model, True, torch.float16), runner(model, False, torch.float16)
     assert fused.state.layers[0]["ssm"].dtype == torch.float16 and fused.kv.k[0].dtype == torch.float16
     ids = tokens(3, 50)
-    assert rel_err(forced(fused, ids, 7, [5, 2, 9, 1]), forced(eager, ids, 7, [5, 2, 9, 1])) <= 1e-5
+    # 1e-4, not the float32 tests' 1e-5: where the two summation orders differ in the last float32 bit, the fp16
+    # store of the state (and of K/V) may round the other way, one fp16 step (2^-11 of the value) apart, and that
+    # step is carried into every later token (seen: 1.01e-5 on an AVX-512 CPU); a wrong rounding or a float32
+    # store instead of fp16 moves the logits by 1e-3 or more
+    assert rel_err(forced(fused, ids, 7, [5, 2, 9, 1]), forced(eager, ids, 7, [5, 2, 9, 1])) <= 1e-4
 
 
 def test_a_batch_equals_each_sequence_alone_and_leaves_other_slots_alone(checkpoint):
