@@ -28,3 +28,31 @@ def cpp_kernels():
 
     why = cpu_native.ready()
     assert why is None, why
+
+
+@pytest.fixture(scope="session")
+def engine_for():
+    """engine_for(model=None, **settings) -> a new LoadedEngine (engine.build) for `model` (None: the embedded
+    default) under EngineConfig(**settings), not started. The model is loaded once per set of the settings that shape
+    it (engine.build.MODEL_FIELDS) for the whole session; each call assembles a fresh engine over it (sequence memory,
+    runner, Engine: cheap), which the test may start, step and shut down as its own. Engines still running at the
+    end of the session are shut down. Two engines over one model run one at a time (tests run one at a time)."""
+    from engine.build import MODEL_FIELDS, assemble_engine, load_model
+    from engine.engine_config import EngineConfig
+    from engine.hardware import resolve_device
+
+    models: dict[tuple, object] = {}
+    made: list = []
+
+    def make(model=None, **settings):
+        config = EngineConfig().replace(**settings)
+        config = config.replace(device=resolve_device(config.device))  # "auto" and "cpu" load one model here
+        key = (str(model), config.spec == "mtp", *(getattr(config, f) for f in MODEL_FIELDS))
+        if key not in models:
+            models[key] = load_model(model, config)
+        made.append(assemble_engine(models[key], config))
+        return made[-1]
+
+    yield make
+    for loaded in made:
+        loaded.engine.shutdown()

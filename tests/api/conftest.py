@@ -6,7 +6,6 @@ import httpx
 import pytest
 import uvicorn
 
-from engine.build import build_engine
 from engine.config import load_settings
 from engine.server.app import create_app
 from engine.server.state import ServerState
@@ -42,11 +41,11 @@ class RunningServer:
 
 
 @pytest.fixture(scope="session")
-def default_engine():
-    loaded = build_engine(None, max_concurrency=4, max_context=2048)
+def default_engine(engine_for):
+    """The embedded default model as the server runs it (its own weight format), started, for the whole session."""
+    loaded = engine_for(None, max_concurrency=4, max_context=2048)
     loaded.engine.start()
-    yield loaded
-    loaded.engine.shutdown()
+    return loaded
 
 
 @pytest.fixture(scope="session")

@@ -18,14 +18,11 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def default_engine():
-    """build_engine on the embedded SmolLM2 GGUF, started; shut down at the end of the session."""
-    from engine.build import build_engine
-
-    loaded = build_engine(None, max_concurrency=4, max_context=2048, weight_dtype="fp32")  # the oracle tests compare fp32
+def default_fp32_engine(engine_for):
+    """The embedded SmolLM2 GGUF in float32 (the oracle tests compare fp32), started, for the whole session."""
+    loaded = engine_for(None, max_concurrency=4, max_context=2048, weight_dtype="fp32")
     loaded.engine.start()
-    yield loaded
-    loaded.engine.shutdown()
+    return loaded
 
 
 @pytest.fixture(scope="session")

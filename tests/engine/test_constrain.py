@@ -25,8 +25,8 @@ SAMPLED = [(0.0, None), (1.0, 1), (1.0, 2), (1.0, 3), (0.8, 4)]
 
 
 @pytest.fixture(scope="module")
-def tok(default_engine):
-    return default_engine.tokenizer
+def tok(default_fp32_engine):
+    return default_fp32_engine.tokenizer
 
 
 def chat(tok, text: str, **kw) -> list[int]:
@@ -146,43 +146,43 @@ def test_start_after_leaves_the_prefix_free_but_unended(tok):
 
 
 @pytest.mark.slow
-def test_json_object_generations_are_json_objects(default_engine, tok):
+def test_json_object_generations_are_json_objects(default_fp32_engine, tok):
     c = json_object_constraint(tok)
     for temperature, seed in SAMPLED:
-        out, last = run(default_engine.engine, chat(tok, ALICE), c, temperature, seed)
+        out, last = run(default_fp32_engine.engine, chat(tok, ALICE), c, temperature, seed)
         assert last.finish_reason == "stop", (temperature, seed, tok.decode(out))
         value = json.loads(tok.decode(out))
         assert isinstance(value, dict)
 
 
 @pytest.mark.slow
-def test_json_schema_generations_validate(default_engine, tok):
+def test_json_schema_generations_validate(default_fp32_engine, tok):
     c = json_schema_constraint(tok, PERSON)
     for temperature, seed in SAMPLED:
-        out, last = run(default_engine.engine, chat(tok, ALICE), c, temperature, seed)
+        out, last = run(default_fp32_engine.engine, chat(tok, ALICE), c, temperature, seed)
         assert last.finish_reason == "stop"
         value = json.loads(tok.decode(out))
         jsonschema.validate(value, PERSON)
         assert set(value) == {"name", "age"} and isinstance(value["name"], str) and type(value["age"]) is int
-    out, _ = run(default_engine.engine, chat(tok, ALICE), c)
+    out, _ = run(default_fp32_engine.engine, chat(tok, ALICE), c)
     assert json.loads(tok.decode(out)) == {"name": "Alice", "age": 30}
 
 
 @pytest.mark.slow
-def test_grammar_end_stops_even_with_ignore_eos_and_beats_length(default_engine, tok):
+def test_grammar_end_stops_even_with_ignore_eos_and_beats_length(default_fp32_engine, tok):
     c = json_schema_constraint(tok, PERSON)
-    out, last = run(default_engine.engine, chat(tok, ALICE), c, ignore_eos=True)
+    out, last = run(default_fp32_engine.engine, chat(tok, ALICE), c, ignore_eos=True)
     assert last.finish_reason == "stop" and json.loads(tok.decode(out)) == {"name": "Alice", "age": 30}
-    exact, last = run(default_engine.engine, chat(tok, ALICE), c, max_tokens=len(out))
+    exact, last = run(default_fp32_engine.engine, chat(tok, ALICE), c, max_tokens=len(out))
     assert exact == out and last.finish_reason == "stop"
-    cut, last = run(default_engine.engine, chat(tok, ALICE), c, max_tokens=len(out) - 1)
+    cut, last = run(default_fp32_engine.engine, chat(tok, ALICE), c, max_tokens=len(out) - 1)
     assert cut == out[:-1] and last.finish_reason == "length"
 
 
 @pytest.mark.slow
-def test_one_params_object_serves_concurrent_sequences(default_engine, tok):
+def test_one_params_object_serves_concurrent_sequences(default_fp32_engine, tok):
     """The constraint in SamplingParams is a template: each sequence gets its own state (as for n=2 choices)."""
-    engine = default_engine.engine
+    engine = default_fp32_engine.engine
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120, constraint=json_schema_constraint(tok, PERSON))
               for s in (11, 12)]
     params = [params[0], SamplingParams(**{**vars(params[0]), "seed": 12})]  # as generation.submit copies them
@@ -194,10 +194,10 @@ def test_one_params_object_serves_concurrent_sequences(default_engine, tok):
 
 
 @pytest.mark.slow
-def test_forced_tool_call_is_parsed(default_engine, tok):
+def test_forced_tool_call_is_parsed(default_fp32_engine, tok):
     prompt = chat(tok, "What is the weather like in Paris?", tools=WEATHER)
     for choice in (True, "get_weather"):
-        out, last = run(default_engine.engine, prompt, tool_call_constraint(tok, WEATHER, choice), max_tokens=200)
+        out, last = run(default_fp32_engine.engine, prompt, tool_call_constraint(tok, WEATHER, choice), max_tokens=200)
         assert last.finish_reason == "stop"
         parsed = parse_tool_calls(tok.decode(out), {"get_weather"})
         assert parsed.content is None and parsed.tool_calls
@@ -206,9 +206,9 @@ def test_forced_tool_call_is_parsed(default_engine, tok):
 
 
 @pytest.mark.slow
-def test_logprobs_under_a_constraint_are_the_models(default_engine, tok):
+def test_logprobs_under_a_constraint_are_the_models(default_fp32_engine, tok):
     """Logprobs stay the model's own (finite, JSON-safe), though only "yes"/"no" may be sampled."""
-    stream = default_engine.engine.submit(chat(tok, "Is Paris in France?"), SamplingParams(
+    stream = default_fp32_engine.engine.submit(chat(tok, "Is Paris in France?"), SamplingParams(
         temperature=0, max_tokens=20, logprobs=5, constraint=json_schema_constraint(tok, {"enum": ["yes", "no"]})))
     outs = []
     while not outs or not outs[-1].finished:
@@ -240,8 +240,8 @@ class _DeadEnd:
 
 
 @pytest.mark.slow
-def test_a_dead_end_grammar_ends_only_its_sequence_with_an_error(default_engine, tok):
-    engine = default_engine.engine
+def test_a_dead_end_grammar_ends_only_its_sequence_with_an_error(default_fp32_engine, tok):
+    engine = default_fp32_engine.engine
     prompt = chat(tok, ALICE)
     results = run_concurrently(engine, [prompt, prompt],
                                [SamplingParams(temperature=0, max_tokens=8, constraint=_DeadEnd()),
@@ -253,7 +253,7 @@ def test_a_dead_end_grammar_ends_only_its_sequence_with_an_error(default_engine,
 
 
 @pytest.mark.slow
-def test_preemption_keeps_constrained_outputs(default_engine, tok):
+def test_preemption_keeps_constrained_outputs(default_fp32_engine, tok):
     """Four constrained sequences in a pool of four 64-token pages each need two pages: the scheduler preempts and
     recomputes, and every output is still the one it gives alone."""
     prompts = [chat(tok, f"Return a JSON object with the keys name and age for {who}, who is {age}. Reply with the "
@@ -261,10 +261,10 @@ def test_preemption_keeps_constrained_outputs(default_engine, tok):
                for who, age, pad in [("Alice", 30, "Thanks."), ("Bob", 41, "Thank you."),
                                      ("Carol", 25, "Please be brief."), ("Dave", 52, "Use the keys name and age.")]]
     params = SamplingParams(temperature=0, max_tokens=60, constraint=json_schema_constraint(tok, PERSON))
-    alone = [default_engine.engine.generate(p, params) for p in prompts]
+    alone = [default_fp32_engine.engine.generate(p, params) for p in prompts]
     assert all(64 < len(p) + len(o) <= 128 for p, o in zip(prompts, alone)), [len(p) + len(o)
                                                                                for p, o in zip(prompts, alone)]
-    runner = ModelRunner(default_engine.engine.runner.model, 4, torch.float32, 64)
+    runner = ModelRunner(default_fp32_engine.engine.runner.model, 4, torch.float32, 64)
     engine = Engine(runner, max_concurrency=4, prefill_chunk=512, max_context=256, max_shared_prefixes=0,
                     eos_ids=tok.eos_token_ids).start()
     try:

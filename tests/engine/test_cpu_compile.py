@@ -5,7 +5,6 @@ only difference (the off engine also gets auto's dense prompt path here)."""
 import pytest
 import torch
 
-from engine.build import build_engine
 from engine.model.head import CompiledHead
 from engine.model.linear import PREFILL_DENSE_ROWS, Linear, enable_dense_prefill, use_cpu_kernel
 from engine.runner import Work
@@ -15,8 +14,8 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a lo
 
 
 @pytest.fixture(scope="module")
-def engines():
-    made = {mode: build_engine(None, cpu_compile=mode, max_concurrency=1, max_context=1024) for mode in ("auto", "off")}
+def engines(engine_for):
+    made = {mode: engine_for(None, cpu_compile=mode, max_concurrency=1, max_context=1024) for mode in ("auto", "off")}
     off = made["off"].engine.runner
     use_cpu_kernel(off.model)  # auto's decode kernel and dense prompt path, so that the output layer is the difference
     off.dense_prefill = enable_dense_prefill(off.model, PREFILL_DENSE_ROWS)

@@ -4,16 +4,15 @@ dequantized to float32 (the exact products), closer than ATen's bf16 int4 kernel
 import pytest
 import torch
 
-from engine.build import build_engine
 from engine.runner import Work
 
 
 @pytest.fixture(scope="module")
-def engines():
-    made = {"native": build_engine(None, weight_dtype="auto", cpu_compile="auto", max_concurrency=1,
+def engines(engine_for):
+    made = {"native": engine_for(None, weight_dtype="auto", cpu_compile="auto", max_concurrency=1,
                                    max_context=512),
-            "aten": build_engine(None, weight_dtype="auto", cpu_compile="off", max_concurrency=1, max_context=512),
-            "fp32": build_engine(None, weight_dtype="fp32", max_concurrency=1, max_context=512)}
+            "aten": engine_for(None, weight_dtype="auto", cpu_compile="off", max_concurrency=1, max_context=512),
+            "fp32": engine_for(None, weight_dtype="fp32", max_concurrency=1, max_context=512)}
     yield made
 
 

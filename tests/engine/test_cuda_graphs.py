@@ -174,10 +174,9 @@ def test_setting_resolution(monkeypatch):
         assert resolve_cuda_graphs("auto", cuda) is True
 
 
-def test_on_is_refused_on_the_cpu_by_build_engine():
-    from engine.build import build_engine
+def test_on_is_refused_on_the_cpu_by_build_engine(engine_for):
     with pytest.raises(NInferError, match="--cuda-graphs on needs a CUDA GPU"):
-        build_engine(None, device="cpu", cuda_graphs="on", max_context=256, max_concurrency=1)
+        engine_for(None, device="cpu", cuda_graphs="on", max_context=256, max_concurrency=1)
 
 
 def test_capture_needs_cuda(model):

@@ -28,11 +28,11 @@ TEXT = (
 )
 
 
-def test_teacher_forced_top1_agrees_with_transformers(default_engine, default_hf_oracle):
-    tok = default_engine.tokenizer
+def test_teacher_forced_top1_agrees_with_transformers(default_fp32_engine, default_hf_oracle):
+    tok = default_fp32_engine.tokenizer
     ids = tok.encode(TEXT)
     assert len(ids) >= 200
-    runner = ModelRunner(default_engine.engine.runner.model, 8, default_engine.dtype, 64)
+    runner = ModelRunner(default_fp32_engine.engine.runner.model, 8, default_fp32_engine.dtype, 64)
     ours = runner_logits(runner, ids)
     ref = hf_logits(default_hf_oracle, ids)
     assert ours.shape == ref.shape == (len(ids), 49152)
@@ -45,8 +45,8 @@ def test_teacher_forced_top1_agrees_with_transformers(default_engine, default_hf
     assert nll < 4.0, f"mean negative log-likelihood {nll:.2f}"
 
 
-def test_config_agrees_with_transformers(default_engine, default_hf_oracle):
-    ours, theirs = default_engine.config, default_hf_oracle.config
+def test_config_agrees_with_transformers(default_fp32_engine, default_hf_oracle):
+    ours, theirs = default_fp32_engine.config, default_hf_oracle.config
     assert ours.arch == "llama"
     assert ours.vocab_size == theirs.vocab_size == 49152
     assert ours.hidden_size == theirs.hidden_size
@@ -56,13 +56,13 @@ def test_config_agrees_with_transformers(default_engine, default_hf_oracle):
     assert ours.intermediate_size == theirs.intermediate_size
     assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
     assert ours.tie_embeddings
-    assert default_engine.path == default_model_path()
+    assert default_fp32_engine.path == default_model_path()
 
 
-def test_chat_answer_names_paris(default_engine):
-    tok = default_engine.tokenizer
+def test_chat_answer_names_paris(default_fp32_engine):
+    tok = default_fp32_engine.tokenizer
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
-    out = default_engine.engine.generate(prompt, SamplingParams(temperature=0, max_tokens=48))
+    out = default_fp32_engine.engine.generate(prompt, SamplingParams(temperature=0, max_tokens=48))
     answer = tok.decode(out)
     assert "Paris" in answer, answer

@@ -41,17 +41,17 @@ LENGTHS = [5, 41, 62, 110]  # 1 to 3 pages each by the end of 32 tokens
 
 
 @pytest.fixture(scope="module")
-def one_by_one(default_engine):
+def one_by_one(default_fp32_engine):
     """Prompts of different lengths and their greedy 32-token outputs, each run alone."""
-    prompts = default_prompts(default_engine.tokenizer, LENGTHS)
-    outputs = [default_engine.engine.generate(p, greedy(32)) for p in prompts]
+    prompts = default_prompts(default_fp32_engine.tokenizer, LENGTHS)
+    outputs = [default_fp32_engine.engine.generate(p, greedy(32)) for p in prompts]
     assert all(len(t) == 32 for t in outputs) and len({tuple(t) for t in outputs}) == 4
     return prompts, outputs
 
 
 @pytest.mark.slow
-def test_concurrent_requests_equal_sequential_ones(default_engine, one_by_one):
-    engine = default_engine.engine
+def test_concurrent_requests_equal_sequential_ones(default_fp32_engine, one_by_one):
+    engine = default_fp32_engine.engine
     prompts, sequential = one_by_one
     free = engine.pool.num_free
     concurrent = run_concurrently(engine, prompts, [greedy(32)] * 4)
@@ -62,11 +62,11 @@ def test_concurrent_requests_equal_sequential_ones(default_engine, one_by_one):
 
 
 @pytest.mark.slow
-def test_forced_preemption_keeps_outputs(default_engine, one_by_one):
+def test_forced_preemption_keeps_outputs(default_fp32_engine, one_by_one):
     """The same four requests in a pool of four pages, where they need eight by the end: the scheduler must
     preempt and recompute, and the outputs stay those of the requests run one by one."""
     prompts, sequential = one_by_one
-    runner = ModelRunner(default_engine.engine.runner.model, 4, torch.float32, 64)
+    runner = ModelRunner(default_fp32_engine.engine.runner.model, 4, torch.float32, 64)
     engine = Engine(runner, max_concurrency=4, prefill_chunk=512, max_context=256, max_shared_prefixes=0).start()
     try:
         concurrent = run_concurrently(engine, prompts, [greedy(32)] * 4)
@@ -80,10 +80,10 @@ def test_forced_preemption_keeps_outputs(default_engine, one_by_one):
 
 
 @pytest.mark.slow
-def test_eos_stops_with_reason_stop(default_engine):
-    tok = default_engine.tokenizer
+def test_eos_stops_with_reason_stop(default_fp32_engine):
+    tok = default_fp32_engine.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "Say hello."}])
-    out, last = collect(default_engine.engine.submit(prompt, SamplingParams(temperature=0, max_tokens=64)))
+    out, last = collect(default_fp32_engine.engine.submit(prompt, SamplingParams(temperature=0, max_tokens=64)))
     assert last.finish_reason == "stop"
     assert out[-1] in tok.eos_token_ids
     assert len(out) < 64
@@ -91,9 +91,9 @@ def test_eos_stops_with_reason_stop(default_engine):
 
 
 @pytest.mark.slow
-def test_seeds(default_engine):
-    engine = default_engine.engine
-    prompt = default_engine.tokenizer.encode("Once upon a time")
+def test_seeds(default_fp32_engine):
+    engine = default_fp32_engine.engine
+    prompt = default_fp32_engine.tokenizer.encode("Once upon a time")
 
     def run(seed, **kw):
         return engine.generate(prompt, SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True, **kw))
@@ -112,8 +112,8 @@ def test_seeds(default_engine):
 
 
 @pytest.mark.slow
-def test_prompt_at_max_context_is_rejected(default_engine):
-    engine = default_engine.engine
+def test_prompt_at_max_context_is_rejected(default_fp32_engine):
+    engine = default_fp32_engine.engine
     assert engine.max_context == 2048
     with pytest.raises(ContextLengthError, match="2048 tokens"):
         engine.submit([1] * 2048, greedy(1))

@@ -21,8 +21,8 @@ def _available(monkeypatch, mib: int) -> None:
     monkeypatch.setattr(psutil, "virtual_memory", lambda: fake)
 
 
-def test_windowed_pools_are_the_ledgers():
-    loaded = build_engine(None, max_context=0, max_concurrency=2, kv_window=512, kv_retrieve=512, host_kv_mib=64,
+def test_windowed_pools_are_the_ledgers(engine_for):
+    loaded = engine_for(None, max_context=0, max_concurrency=2, kv_window=512, kv_retrieve=512, host_kv_mib=64,
                           weight_dtype="fp32")
     engine, ledger = loaded.engine, loaded.ledger
     assert engine.pool.num_pages == ledger.gpu_pages == 2 * FOOTPRINT  # two windowed conversations, nothing more
@@ -34,32 +34,32 @@ def test_windowed_pools_are_the_ledgers():
     assert "host KV tier" in engine.context_limit
 
 
-def test_explicit_context_beyond_reach_is_refused_naming_the_host_tier():
+def test_explicit_context_beyond_reach_is_refused_naming_the_host_tier(engine_for):
     with pytest.raises(NInferError) as e:
-        build_engine(None, max_context=8192, max_concurrency=2, kv_window=512, kv_retrieve=512, host_kv_mib=64,
+        engine_for(None, max_context=8192, max_concurrency=2, kv_window=512, kv_retrieve=512, host_kv_mib=64,
                      weight_dtype="fp32")
     assert "--max-context 8,192 is beyond reach" in e.value.problem and "host KV pages" in e.value.problem
     assert "--host-kv-mib" in e.value.remedy
 
 
-def test_auto_capacity_follows_the_memory_free_now(monkeypatch, caplog):
+def test_auto_capacity_follows_the_memory_free_now(engine_for, monkeypatch, caplog):
     """On the CPU the pool may take a quarter of the RAM available after loading: with 1400 MiB available, 350 MiB
     of fp32 KV at 2.81 MiB a page is 124 pages, less than one 8192-token sequence; the context becomes 7936 tokens
     and the log says why."""
     _available(monkeypatch, 1400)
     with caplog.at_level(logging.WARNING, logger="ninfer.build"):
-        loaded = build_engine(None, max_context=0, max_concurrency=4, weight_dtype="fp32")
+        loaded = engine_for(None, max_context=0, max_concurrency=4, weight_dtype="fp32")
     page_mib = loaded.engine.runner.kv.page_bytes / MIB
     assert loaded.engine.pool.num_pages == loaded.ledger.gpu_pages == int(350 // page_mib) == 124
     assert loaded.context_window == loaded.engine.pool.num_pages * 64 == 7936
     assert any("less than the model's 8192" in r.getMessage() for r in caplog.records)
     # an explicit context that one sequence cannot hold is refused before the pool is allocated
     with pytest.raises(NInferError) as e:
-        build_engine(None, max_context=8192, max_concurrency=4, weight_dtype="fp32")
+        engine_for(None, max_context=8192, max_concurrency=4, weight_dtype="fp32")
     assert "does not fit" in e.value.problem and "Lower --max-context to" in e.value.remedy
 
 
-def test_server_refuses_a_prompt_beyond_the_kv_reach_and_reports_it(monkeypatch):
+def test_server_refuses_a_prompt_beyond_the_kv_reach_and_reports_it(engine_for, monkeypatch):
     """/v1/models reports the context the engine can hold (here the host tier's reach, shorter than the model's
     context); a prompt longer than it is a 400 context_length_exceeded from the server naming what limits it, before
     anything is queued."""
@@ -67,7 +67,7 @@ def test_server_refuses_a_prompt_beyond_the_kv_reach_and_reports_it(monkeypatch)
     from engine.server.state import ServerState
     from tests.api.conftest import RunningServer
 
-    loaded = build_engine(None, max_context=0, max_concurrency=1, kv_window=512, kv_retrieve=512, host_kv_mib=48,
+    loaded = engine_for(None, max_context=0, max_concurrency=1, kv_window=512, kv_retrieve=512, host_kv_mib=48,
                           weight_dtype="fp32")
     reach = loaded.context_window
     assert reach == loaded.engine.kv_reach == loaded.engine.max_context == 17 * 64 < 8192  # 17 host pages

@@ -33,23 +33,23 @@ def _run(engine: Engine, ids: list[int], n: int) -> tuple[list[int], dict]:
         engine.shutdown()
 
 
-def test_window_at_least_the_context_is_token_identical_to_the_full_cache(default_engine):
+def test_window_at_least_the_context_is_token_identical_to_the_full_cache(default_fp32_engine):
     """Ring on: the sequence takes the tiered path from its first token (pages written through to the host,
     window bookkeeping), with a window that covers the whole context."""
-    tok = default_engine.tokenizer
+    tok = default_fp32_engine.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "Name three colours of the rainbow and say why the "
                                     "sky is blue, in two sentences."}])
-    full, _ = _run(_engine(default_engine, num_pages=16), ids, 24)
-    tiered, s = _run(_engine(default_engine, num_pages=28, host_pages=16, kv_window=1024, kv_retrieve=64,
+    full, _ = _run(_engine(default_fp32_engine, num_pages=16), ids, 24)
+    tiered, s = _run(_engine(default_fp32_engine, num_pages=28, host_pages=16, kv_window=1024, kv_retrieve=64,
                              kv_ring="on"), ids, 24)
     assert tiered == full
     assert s["kv_writethrough_pages"] == (len(ids) + 22) // 64 and s["kv_host_pages_free"] == 16
 
 
-def test_pass_key_far_outside_the_window_is_found_by_retrieval(default_engine, caplog):
+def test_pass_key_far_outside_the_window_is_found_by_retrieval(default_fp32_engine, caplog):
     """~3,500 tokens of filler with a pass key near the start; window 512 + retrieve 512 tokens answers it exactly
     as the full cache does, and the page holding the key is among the retrieved ones."""
-    tok = default_engine.tokenizer
+    tok = default_fp32_engine.tokenizer
     before = HEAD + FILLER * 12
     text = before + KEY + FILLER * 128 + QUESTION
     ids = tok.encode(text)
@@ -57,11 +57,11 @@ def test_pass_key_far_outside_the_window_is_found_by_retrieval(default_engine, c
     key_at = len(tok.encode(before))
     key_pages = {key_at // 64, (key_at + len(tok.encode(KEY))) // 64}
 
-    full, _ = _run(_engine(default_engine, num_pages=64), ids, 6)
+    full, _ = _run(_engine(default_fp32_engine, num_pages=64), ids, 6)
     assert "71432" in tok.decode(full)
 
     with caplog.at_level(logging.DEBUG, logger="ninfer.kvmem"):
-        windowed, s = _run(_engine(default_engine, num_pages=40, host_pages=64, kv_window=512, kv_retrieve=512),
+        windowed, s = _run(_engine(default_fp32_engine, num_pages=40, host_pages=64, kv_window=512, kv_retrieve=512),
                            ids, 6)
     assert windowed == full
     assert s["kv_retrieved_pages"] > 0 and s["kv_evictions"] > 0 and not s["kv_lossy"]
@@ -72,10 +72,9 @@ def test_pass_key_far_outside_the_window_is_found_by_retrieval(default_engine, c
     assert sum(bool(c & key_pages) for c in chosen) >= 0.5 * len(chosen)
 
 
-def test_build_engine_sizes_both_tiers_from_the_settings():
-    from engine.build import build_engine
+def test_build_engine_sizes_both_tiers_from_the_settings(engine_for):
 
-    loaded = build_engine(None, max_context=0, max_concurrency=2, kv_window=512, kv_retrieve=512,
+    loaded = engine_for(None, max_context=0, max_concurrency=2, kv_window=512, kv_retrieve=512,
                           host_kv_mib=64, kv_capacity="auto", weight_dtype="fp32")
     engine = loaded.engine
     page_bytes = engine.runner.kv.page_bytes
@@ -87,7 +86,7 @@ def test_build_engine_sizes_both_tiers_from_the_settings():
     assert (s["kv_window_tokens"], s["kv_retrieve_tokens"], s["kv_lossy"]) == (512, 512, False)
 
 
-def test_ring_off_over_http_is_400_context_length_exceeded_saying_why(default_engine):
+def test_ring_off_over_http_is_400_context_length_exceeded_saying_why(default_fp32_engine):
     """--kv-window 512 --kv-ring off behind the real server: a prompt longer than the window is a 400
     context_length_exceeded naming the setting, a short one is answered, and /metrics carries the KV tier gauges."""
     import dataclasses
@@ -98,10 +97,10 @@ def test_ring_off_over_http_is_400_context_length_exceeded_saying_why(default_en
     from engine.server.state import ServerState
     from tests.api.conftest import RunningServer
 
-    engine = _engine(default_engine, num_pages=16, kv_window=512, kv_ring="off")
+    engine = _engine(default_fp32_engine, num_pages=16, kv_window=512, kv_ring="off")
     settings, _ = load_settings(["--kv-window", "512", "--kv-ring", "off"], {})
     state = ServerState(settings, ["smol"])
-    state.loaded = dataclasses.replace(default_engine, engine=engine)
+    state.loaded = dataclasses.replace(default_fp32_engine, engine=engine)
     try:
         with RunningServer(state) as server, httpx.Client(base_url=server.base_url, timeout=60) as http:
             r = http.post("/v1/chat/completions", json={"model": "smol", "max_tokens": 4, "messages": [

@@ -256,7 +256,7 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_from_a_non_ascii_path(tmp_path, default_engine):
+def test_default_model_from_a_non_ascii_path(tmp_path, default_fp32_engine):
     from engine.build import build_engine
 
     path = tmp_path / "模型" / "小模型.gguf"
@@ -271,7 +271,7 @@ def test_default_model_from_a_non_ascii_path(tmp_path, default_engine):
     finally:
         loaded.engine.shutdown()
     assert len(out) == 6
-    assert out == default_engine.engine.generate(prompt, params)
+    assert out == default_fp32_engine.engine.generate(prompt, params)
 
 
 def test_hf_folder_and_gguf_from_non_ascii_paths(tiny, tiny_gguf, tmp_path):

@@ -5,7 +5,6 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize as gguf_dequantize
 
-from engine.build import build_engine
 from engine.model.default import default_model_path
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_weights
@@ -39,8 +38,8 @@ def test_native_q_k_rows_are_unpermuted_like_the_dense_path(native_weights):
 
 
 @pytest.fixture(scope="module")
-def engines():
-    made = {wd: build_engine(None, weight_dtype=wd, max_concurrency=1, max_context=1024) for wd in ("fp32", "int4")}
+def engines(engine_for):
+    made = {wd: engine_for(None, weight_dtype=wd, max_concurrency=1, max_context=1024) for wd in ("fp32", "int4")}
     for le in made.values():
         le.engine.start()
     yield made
@@ -48,8 +47,8 @@ def engines():
         le.engine.shutdown()
 
 
-def test_auto_runs_the_default_model_as_int4_and_reads_far_fewer_bytes(engines):
-    auto = build_engine(None, max_concurrency=1, max_context=256)
+def test_auto_runs_the_default_model_as_int4_and_reads_far_fewer_bytes(engine_for, engines):
+    auto = engine_for(None, max_concurrency=1, max_context=256)
     assert auto.engine.runner.model.weight_format == "int4"
     fp32, int4 = (engines[w].engine.runner.model for w in ("fp32", "int4"))
     layers = lambda m: m.weight_bytes() - m.lm_head.nbytes  # noqa: E731

@@ -230,8 +230,8 @@ def test_outputs_with_reuse_equal_outputs_without_tiny(tiny):
 
 
 @pytest.mark.slow
-def test_outputs_with_reuse_equal_outputs_without_default_model(default_engine):
-    model, tok = default_engine.engine.runner.model, default_engine.tokenizer
+def test_outputs_with_reuse_equal_outputs_without_default_model(default_fp32_engine):
+    model, tok = default_fp32_engine.engine.runner.model, default_fp32_engine.tokenizer
     from tests.engine.test_engine import TEXT
     words = tok.encode(" ".join([TEXT] * 3))
     results = {}
@@ -258,8 +258,8 @@ def test_outputs_with_reuse_equal_outputs_without_default_model(default_engine):
 # ----- a byte-identical long prompt again -----
 
 @pytest.mark.slow
-def test_long_prompt_sent_again_reuses_its_prefix_and_answers_fast(default_engine, caplog):
-    model, tok = default_engine.engine.runner.model, default_engine.tokenizer
+def test_long_prompt_sent_again_reuses_its_prefix_and_answers_fast(default_fp32_engine, caplog):
+    model, tok = default_fp32_engine.engine.runner.model, default_fp32_engine.tokenizer
     from tests.engine.test_engine import TEXT
     prompt = tok.encode(" ".join(f"Part {i}. {TEXT}" for i in range(12)))[:1300]
     assert len(prompt) == 1300

@@ -236,10 +236,10 @@ def test_aborts_preemption_and_speculative_rejections_keep_every_page_and_every_
 # ----- the default model -----
 
 @pytest.mark.slow
-def test_a_long_prompt_sent_again_reuses_all_but_its_last_token_default_model(default_engine):
+def test_a_long_prompt_sent_again_reuses_all_but_its_last_token_default_model(default_fp32_engine):
     """SmolLM2: a 1,500-token prompt sent twice reuses 1,499 tokens the second time (99.93%), and both greedy
     answers equal an engine's without prefix reuse; a follow-up (prompt + answer + a question) reuses the answer."""
-    model, tok = default_engine.engine.runner.model, default_engine.tokenizer
+    model, tok = default_fp32_engine.engine.runner.model, default_fp32_engine.tokenizer
     from tests.engine.test_engine import TEXT
     prompt = tok.encode(" ".join(f"Part {i}. {TEXT}" for i in range(14)))[:1500]
     assert len(prompt) == 1500

@@ -160,18 +160,18 @@ def test_page_counts_of_both_tiers_return_to_their_start_after_random_aborts_wit
 
 
 @pytest.mark.slow
-def test_a_windowed_long_prompt_sent_again_reuses_most_of_it_default_model(default_engine):
+def test_a_windowed_long_prompt_sent_again_reuses_most_of_it_default_model(default_fp32_engine):
     """SmolLM2, --kv-window 512 --kv-retrieve 512, prefill chunk 512: a 1,500-token prompt sent twice reuses its
     two whole chunks (1,024 tokens, 68%; reuse stops at a chunk boundary) the second time, and both greedy answers
     equal the same engine's without prefix reuse."""
     from tests.engine.test_engine import TEXT
 
-    model, tok = default_engine.engine.runner.model, default_engine.tokenizer
+    model, tok = default_fp32_engine.engine.runner.model, default_fp32_engine.tokenizer
     prompt = tok.encode(" ".join(f"Part {i}. {TEXT}" for i in range(14)))[:1500]
     assert len(prompt) == 1500
     outs = {}
     for reuse in (False, True):
-        runner = ModelRunner(model, 40, default_engine.engine.runner.kv.kv_dtype, PAGE, host_pages=64)
+        runner = ModelRunner(model, 40, default_fp32_engine.engine.runner.kv.kv_dtype, PAGE, host_pages=64)
         engine = Engine(runner, max_concurrency=1, prefill_chunk=512, max_context=4096, kv_window=512,
                         kv_retrieve=512, max_shared_prefixes="auto" if reuse else 0).start()
         try:

@@ -229,8 +229,8 @@ def test_fp16_state_on_a_long_prompt_stays_finite_and_greedy_agrees(checkpoint):
     assert bytes32 - bytes16 == 6 * 4 * 16 * 16 * 2  # 6 GDN layers' 4 x 16 x 16 states halve; the conv windows stay
 
 
-def test_fp16_state_is_refused_for_a_model_without_recurrent_layers(tmp_path):
+def test_fp16_state_is_refused_for_a_model_without_recurrent_layers(engine_for, tmp_path):
     from engine.errors import NInferError
 
     with pytest.raises(NInferError, match="has no such layers"):
-        build_engine(None, device="cpu", max_context=256, max_concurrency=1, gdn_state_fp16=True)
+        engine_for(None, device="cpu", max_context=256, max_concurrency=1, gdn_state_fp16=True)

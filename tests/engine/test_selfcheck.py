@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine import selfcheck
-from engine.build import build_engine
 from engine.errors import NInferError
 from engine.model.default import default_model_path
 from engine.model.loader import load_weights
@@ -73,6 +72,6 @@ def test_a_reference_too_big_for_memory_is_skipped_saying_so(default, caplog, mo
     assert "self-check of --weight-dtype int8" in caplog.text and "skipped" in caplog.text
 
 
-def test_build_engine_refuses_ternary_on_the_default_model():
+def test_build_engine_refuses_ternary_on_the_default_model(engine_for):
     with pytest.raises(NInferError, match="breaks this model"):
-        build_engine(None, device="cpu", weight_dtype="ternary", max_context=512)
+        engine_for(None, device="cpu", weight_dtype="ternary", max_context=512)

@@ -425,14 +425,14 @@ def test_mtp_kv_follows_a_copied_prefix_tail(ckpt):
 # ---------------------------------------------------------------- the default model
 
 @pytest.fixture(scope="module")
-def ngram_engine(default_engine):
+def ngram_engine(default_fp32_engine):
     """An ngram-speculating engine over the default engine's weights (its own KV pages)."""
     from engine.engine import Engine
     from engine.runner import ModelRunner
     from engine.spec import Speculator
     from engine.spec.ngram import NgramProposer
 
-    base = default_engine.engine
+    base = default_fp32_engine.engine
     runner = ModelRunner(base.runner.model, 40, base.runner.kv.kv_dtype, base.runner.page_size)
     engine = Engine(runner, max_concurrency=2, prefill_chunk=512, max_context=2048, eos_ids=base.eos_ids,
                     max_shared_prefixes=0, speculator=Speculator(NgramProposer())).start()
@@ -441,14 +441,14 @@ def ngram_engine(default_engine):
 
 
 @pytest.mark.slow
-def test_ngram_on_the_default_model_is_lossless_on_three_kinds_of_content(default_engine, ngram_engine):
+def test_ngram_on_the_default_model_is_lossless_on_three_kinds_of_content(default_fp32_engine, ngram_engine):
     """The bench's three prompts (repetitive JSON, code, prose), 128 greedy tokens each: identical with ngram
     speculation, which drafts on all of them and is accepted most on the repetitive one."""
     from engine.tools.bench.speculative import CONTENT
 
-    base, spec = default_engine.engine, ngram_engine
+    base, spec = default_fp32_engine.engine, ngram_engine
     spec.speculator.adaptive = False  # draft wherever something matches, so every prompt is verified
-    tok = default_engine.tokenizer
+    tok = default_fp32_engine.tokenizer
     try:
         rates = {}
         for content, text in CONTENT.items():
@@ -467,7 +467,7 @@ def test_ngram_on_the_default_model_is_lossless_on_three_kinds_of_content(defaul
 
 
 @pytest.mark.slow
-def test_ngram_under_a_json_schema_keeps_the_output(default_engine, ngram_engine):
+def test_ngram_under_a_json_schema_keeps_the_output(default_fp32_engine, ngram_engine):
     """Drafts pass through the grammar like sampled tokens: the constrained output is the same with speculation,
     greedy and sampled (same seeds give other draws, so sampled outputs are checked against the schema)."""
     import json
@@ -479,14 +479,14 @@ def test_ngram_under_a_json_schema_keeps_the_output(default_engine, ngram_engine
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                                "city": {"type": "string"}},
               "required": ["name", "age", "city"], "additionalProperties": False}
-    tok = default_engine.tokenizer
+    tok = default_fp32_engine.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": 'Repeat exactly: {"name": "Alice", "age": 30, '
                                                                   '"city": "Paris"}'}])
     c = json_schema_constraint(tok, schema)
     greedy = SamplingParams(max_tokens=60, temperature=0.0, constraint=c)
     before = ngram_engine.stats()
     ours = ngram_engine.generate(prompt, greedy)
-    assert ours == default_engine.engine.generate(prompt, greedy)
+    assert ours == default_fp32_engine.engine.generate(prompt, greedy)
     assert json.loads(tok.decode(ours)) == {"name": "Alice", "age": 30, "city": "Paris"}
     for seed in range(3):
         out = ngram_engine.generate(prompt, SamplingParams(max_tokens=60, temperature=1.0, seed=seed, constraint=c))
