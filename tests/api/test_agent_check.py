@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.subprocess
 def test_codex_and_claude_code_each_finish_a_turn():
     if not (shutil.which("node") and shutil.which("npm")):
         pytest.skip("node and npm are not installed")

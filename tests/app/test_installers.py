@@ -48,6 +48,7 @@ def test_linux_install_writes_entry_icon_and_unit(installed):
     assert "EnvironmentFile=-%E/ninfer/serve.env" in unit_text
 
 
+@pytest.mark.subprocess
 def test_desktop_file_validates(installed):
     tool = shutil.which("desktop-file-validate")
     if tool is None:
@@ -58,6 +59,7 @@ def test_desktop_file_validates(installed):
     assert result.returncode == 0 and not result.stdout.strip(), result.stdout + result.stderr
 
 
+@pytest.mark.subprocess
 def test_systemd_unit_verifies(installed):
     tool = shutil.which("systemd-analyze")
     if tool is None:
@@ -71,6 +73,7 @@ def test_systemd_unit_verifies(installed):
     assert subprocess.run([tool, "verify", str(broken)], capture_output=True, timeout=60).returncode != 0
 
 
+@pytest.mark.subprocess
 def test_linux_uninstall_removes_it(installed):
     tmp, env, *_ = installed
     result = subprocess.run(["bash", str(INSTALL), "--uninstall"], env=env, capture_output=True, text=True,
@@ -80,6 +83,7 @@ def test_linux_uninstall_removes_it(installed):
     assert not (tmp / "config" / "systemd" / "user" / "ninfer-serve.service").exists()
 
 
+@pytest.mark.subprocess
 def test_linux_install_says_what_is_missing(tmp_path):
     env = dict(os.environ, XDG_DATA_HOME=str(tmp_path / "d"), XDG_CONFIG_HOME=str(tmp_path / "c"),
                PATH="/usr/bin:/bin")
@@ -88,6 +92,7 @@ def test_linux_install_says_what_is_missing(tmp_path):
     assert result.returncode != 0 and "not found" in result.stderr
 
 
+@pytest.mark.subprocess
 def test_windows_files():
     bat = (ROOT / "installers" / "windows" / "ninfer.bat").read_bytes()
     assert b"\r\n" in bat and b"\n" not in bat.replace(b"\r\n", b"")  # cmd.exe wants CRLF everywhere

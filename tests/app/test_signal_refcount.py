@@ -50,6 +50,9 @@ _MEASURE = textwrap.dedent(f"""
 """)
 
 
+pytestmark = pytest.mark.subprocess  # its seam is another process's
+
+
 @pytest.fixture(scope="module")
 def lost() -> dict:
     """References to False and True lost over EMITS rounds of two emits, and whether the guard's probe saw a leak."""

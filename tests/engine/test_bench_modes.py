@@ -79,6 +79,7 @@ def test_warm_prefix_reuses_the_cached_pages(tmp_path, capsys):
     assert "| 199 of 200 |" in rows["warm (last token changed)"]
 
 
+@pytest.mark.subprocess
 def test_compare_llamacpp_reports_the_peer_under_its_name(tmp_path, monkeypatch, capsys):
     """ninfer-bench --compare llama.cpp on the default GGUF, with a stand-in Llama: the table names llama.cpp, the
     JSON keeps its column under "llama.cpp", and the greedy agreement line compares the two token lists."""
@@ -141,6 +142,7 @@ def test_bad_counts_are_refused_with_what_is_needed(flag, value, capsys):
     assert "--profile-steps >= 0" in capsys.readouterr().err
 
 
+@pytest.mark.subprocess
 def test_a_peer_killed_by_sigill_is_named_with_the_build_that_works(tmp_path, monkeypatch, capsys):
     """A stand-in peer that kills itself with SIGILL (as a native llama-cpp-python build does on Intel CPUs with
     AMX): the bench prints NInfer's own table, then names the signal and the portable build command; exit 1."""
@@ -165,6 +167,7 @@ def test_a_peer_killed_by_sigill_is_named_with_the_build_that_works(tmp_path, mo
     assert result["peer"] is None and "SIGILL" in result["peer_error"] and result["ninfer"]["decode_tps"] > 0
 
 
+@pytest.mark.subprocess
 def test_other_peer_failures_are_named(monkeypatch):
     """Another signal is named with the peer's last words; a peer that exits with an error passes its message on
     (a missing llama-cpp-python in the child gives the install command)."""
@@ -182,6 +185,7 @@ def test_other_peer_failures_are_named(monkeypatch):
         peer.PeerProcess(Path("m.gguf"), 1, 64, [1, 2], 2)
 
 
+@pytest.mark.subprocess
 def test_the_load_meter_does_not_count_the_benchmarks_own_child_process():
     """A peer measured in a child process (llama.cpp) is the benchmark's own work, not another process's load."""
     import subprocess

@@ -1,6 +1,7 @@
 """scripts/make_bench_gguf.py: the second model of the llama.cpp comparison is a GGUF the engine loads with the
 types the script says (Q4_0 / Q8_0 / Q5_0 layers, a Q8_0 tied embedding), the default model's tokenizer, and
 decodes through the C++ step."""
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from engine.tokenizer import Tokenizer
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.subprocess
 def test_the_bench_gguf_loads_as_written(tmp_path):
     out = tmp_path / "bench.gguf"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_bench_gguf.py"), str(out), "--hidden", "128",

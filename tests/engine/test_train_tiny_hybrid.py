@@ -1,6 +1,7 @@
 """scripts/train_tiny_hybrid.py: the checkpoint it trains for the --gdn-state-fp16 drift measurement is a
 Qwen3.5-class hybrid (3 GDN : 1 attention) whose training lowered its loss, saved where the engine loads it with
 the default model's tokenizer."""
+import pytest
 import json
 import re
 import subprocess
@@ -13,6 +14,7 @@ from engine.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.subprocess
 def test_a_short_training_run_gives_a_hybrid_the_engine_loads(tmp_path):
     text = tmp_path / "text.py"
     text.write_text("def add(a, b):\n    return a + b\n\n\n" * 200)

@@ -54,6 +54,7 @@ def test_only_int8_codes_with_float32_scales_are_taken():
     assert cpu_compiled.ready(half) is not None
 
 
+@pytest.mark.subprocess
 def test_without_a_cxx_compiler_the_output_layer_falls_back_with_one_log_line(tmp_path):
     """A fresh inductor cache (nothing to load) and a compiler that does not exist: the output layer is the dense
     float32 Linear, and exactly one warning says why and what to do."""

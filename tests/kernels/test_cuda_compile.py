@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.subprocess
 def test_kernels_compile_for_cuda_without_spills():
     try:
         import triton.backends.nvidia  # noqa: F401

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.tools import gpu_check, synthetic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,9 +30,26 @@ runpy.run_module(MODULE, run_name="__main__")
 """
 
 
-def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tmp_path, capsys):
-    assert gpu_check.main(["--tiny", "--device", "cpu", "--skip-tests", "--out", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "gpu_check.json").read_text())
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """(the JSON results, the printed table) of scripts/gpu_check.sh's module at tiny shapes, run once, as the script
+    runs it, in a process where every other dependency of the project is unimportable. A subprocess test (the seam
+    is the interpreter's imports: no in-process test can show that the check imports none of them)."""
+    out = tmp_path_factory.mktemp("gpu-check")
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    module = re.search(r"exec python -m ([\w.]+) ", script).group(1)
+    assert module == gpu_check.__name__
+    code = (f"BLOCKED = {set(NOT_NEEDED)!r}\nMODULE = {module!r}\n"
+            f"ARGS = ['--tiny', '--device', 'cpu', '--skip-tests', '--out', {str(out)!r}]\n" + BLOCKED_RUN)
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((out / "gpu_check.json").read_text()), run.stdout
+
+
+@pytest.mark.subprocess
+def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tiny_run):
+    results, table = tiny_run
     assert results["environment"]["device"] == "cpu" and results["tiny"]
     assert results["ceilings"]["copy_gbps"] > 0
     assert {(r["format"], r["layer"]) for r in results["gemv"]} == {
@@ -60,7 +79,6 @@ def test_gpu_check_runs_at_tiny_shapes_and_reports_every_section(tmp_path, capsy
     assert h["kv_bytes_per_token"] == tiny.layers // tiny.interval * 2 * tiny.kv_heads * tiny.head_dim * 4
     for d in h["depths"]:  # the static decode path (what CUDA graphs record) steps the state as the eager one does
         assert d["same_tokens"] == h["decode_steps"] and d["decode_graphs_tps"] > 0 and d["pct_roofline"] > 0
-    table = capsys.readouterr().out
     assert "| hybrid |" in table and "| ternary | 4/4 |" in table
     assert "| GEMV |" in table and "| ternary | 2/2 |" in table and "% roofline" in table
     assert "| attention KV |" in table and "| k8v4 | 1024 |" in table
@@ -104,20 +122,15 @@ def test_device_cuda_without_a_gpu_says_what_to_check(tmp_path, capsys, monkeypa
     assert "sees no CUDA GPU" in capsys.readouterr().err
 
 
-def test_the_script_runs_with_only_torch_triton_and_numpy(tmp_path):
+@pytest.mark.subprocess
+def test_the_script_runs_with_only_torch_triton_and_numpy(tiny_run):
     """scripts/gpu_check.sh's module, run as the script runs it, with every other dependency of the project made
-    unimportable: the whole check (at tiny shapes) imports none of them."""
-    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
-    module = re.search(r"exec python -m ([\w.]+) ", script).group(1)
-    assert module == gpu_check.__name__
-    code = (f"BLOCKED = {set(NOT_NEEDED)!r}\nMODULE = {module!r}\n"
-            f"ARGS = ['--tiny', '--device', 'cpu', '--skip-tests', '--out', {str(tmp_path)!r}]\n" + BLOCKED_RUN)
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "| GEMV |" in run.stdout and (tmp_path / "gpu_check.json").exists()
+    unimportable: the whole check (at tiny shapes) imports none of them, and writes its table and results."""
+    results, table = tiny_run
+    assert "| GEMV |" in table and results["environment"]["device"] == "cpu"
 
 
+@pytest.mark.subprocess
 def test_the_kernel_tests_it_runs_import_only_torch_triton_numpy_and_pytest():
     """The kernel test files the check runs on the GPU machine are collected (every module imported) with every
     other dependency of the project made unimportable."""
