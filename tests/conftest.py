@@ -36,7 +36,8 @@ def engine_for():
     default) under EngineConfig(**settings), not started. The model is loaded once per set of the settings that shape
     it (engine.build.MODEL_FIELDS) for the whole session; each call assembles a fresh engine over it (sequence memory,
     runner, Engine: cheap), which the test may start, step and shut down as its own. Engines still running at the
-    end of the session are shut down. Two engines over one model run one at a time (tests run one at a time)."""
+    end of the session are shut down. Two engines over one model run one at a time (tests run one at a time).
+    A test that changes the model itself (marks its layers, say) asks for `own_model=True`: a model of its own."""
     from engine.build import MODEL_FIELDS, assemble_engine, load_model
     from engine.engine_config import EngineConfig
     from engine.hardware import resolve_device
@@ -44,10 +45,13 @@ def engine_for():
     models: dict[tuple, object] = {}
     made: list = []
 
-    def make(model=None, **settings):
+    def make(model=None, own_model: bool = False, **settings):
         config = EngineConfig().replace(**settings)
         config = config.replace(device=resolve_device(config.device))  # "auto" and "cpu" load one model here
         key = (str(model), config.spec == "mtp", *(getattr(config, f) for f in MODEL_FIELDS))
+        if own_model:
+            made.append(assemble_engine(load_model(model, config), config))
+            return made[-1]
         if key not in models:
             models[key] = load_model(model, config)
         made.append(assemble_engine(models[key], config))

@@ -37,7 +37,7 @@ from engine.kv.host import HostPool
 from engine.errors import NInferError
 from engine.kv.hostprefix import HostPrefixStore, copy_to_gpu
 from engine.kv.summary import page_summary, select_pages
-from engine.memory.geometry import WindowSpec, tier_problems
+from engine.memory.geometry import WindowSpec, sequence_reach, tier_problems
 from engine.model.batch import SeqSlice
 
 log = logging.getLogger("ninfer.kvmem")
@@ -323,26 +323,24 @@ def plan_tiers(runner, *, window: int, retrieve: int, ring: str, chunk: int, all
     runner has), naming the remedy."""
     pool = runner.pool
     ps, host = pool.page_size, getattr(runner, "host", None)
-    gpu_reach = pool.num_pages * ps
     problems = tier_problems(dict(
         kv_window=window, kv_retrieve=retrieve, kv_ring=ring, host_kv_mib=int(host is not None and window > 0),
-        kv_capacity=gpu_reach, max_context=0, prefill_chunk=chunk, allow_lossy_window=allow_lossy,
+        kv_capacity=pool.num_pages * ps, max_context=0, prefill_chunk=chunk, allow_lossy_window=allow_lossy,
         kv_reuse_hostbacked=False, max_shared_prefixes=1, host_pageable=False, spec="mtp" if speculative else ""))
     if problems:
         _refuse(problems[0])
+    on_device, tiered = sequence_reach(pool.num_pages, host.num_pages if host is not None else 0, window, ring, ps)
     if window <= 0:
-        return None, gpu_reach, "the KV cache capacity"
+        return None, on_device, "the KV cache capacity"
     window = WindowSpec.round(window, ps)
     if ring == "off":
-        return None, min(window, gpu_reach), (f"the KV window (--kv-window {window} with --kv-ring off; "
-                                              f"--kv-ring auto with --host-kv-mib runs longer contexts)")
+        return None, on_device, (f"the KV window (--kv-window {window} with --kv-ring off; "
+                                 f"--kv-ring auto with --host-kv-mib runs longer contexts)")
     spec = WindowSpec(window, WindowSpec.round(retrieve, ps), ring, chunk, ps)
     if spec.lossy:
         log.warning("KV window %d tokens without retrieval (--allow-lossy-window): context older than the window "
                     "is dropped from attention (lossy)", window)
-    # a windowed sequence holds all its pages on the host; with ring auto one within the window never needs it
-    reach = host.num_pages * ps if ring == "on" else max(host.num_pages * ps, min(window, gpu_reach))
-    return Tiering(spec, host, runner.kv), reach, "the host KV tier (--host-kv-mib)"
+    return Tiering(spec, host, runner.kv), tiered, "the host KV tier (--host-kv-mib)"
 
 
 def tier_stats(runner, tiers: Tiering | None, scheduler) -> dict:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 
+from engine.memory.dtypes import FLOAT_FORMATS
 from engine.memory.geometry import PAGE_SIZE, ceil_div as _ceil_div  # noqa: F401
 from engine.settings_table import SETTINGS
 
@@ -15,7 +16,7 @@ CPU_KV_RAM_FRACTION = 0.25  # KV auto on the CPU takes at most this share of RAM
 DEFAULT_DRAFT_TOKENS = {"ngram": 4, "draft": 4, "mtp": 4, "dflash2": 5}
 # Bits per parameter of each weight format, with its scales (kernels/quant.py defaults): int8 per output channel,
 # int4 symmetric in groups of 32 with an fp16 scale, ternary in groups of 64 with an fp16 scale.
-WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.0, "int4": 4.5, "ternary": 2.25}
+WEIGHT_BITS = {**{f.name: float(f.bits) for f in FLOAT_FORMATS.values()}, "int8": 8.0, "int4": 4.5, "ternary": 2.25}
 SYNTHETIC_NAMES = ("qwen3.5-27b-like",)
 
 _DEFAULTS = {s.name: s.default for s in SETTINGS}

@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from engine.errors import NInferError
 from engine.engine_config import EngineConfig
-from engine.memory.geometry import WindowSpec, pads, state_slots, state_snapshots
+from engine.memory.geometry import WindowSpec, pads, sequence_reach, state_slots, state_snapshots
 from engine.ledger.common import (
     ACTIVATION_BYTES_PER_HIDDEN, CPU_KV_RAM_FRACTION, DEFAULT_DRAFT_TOKENS, DFLASH2_DRAFT_BYTES, GIB,
     HOST_RUNTIME_MIB, MIB, PAGE_SIZE, WEIGHT_BITS, _DEFAULTS, _ceil_div)
@@ -287,13 +287,7 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     host_other = sum(line.bytes for line in lines if line.device == "host" and line.key != "host_kv")
     host_kv_max = max(budgets["host"] - host_other, 0)
     hostbacked = bool(s["kv_reuse_hostbacked"])
-    # Reach: what one sequence can hold when it has the pools to itself (sequences share them), as
-    # engine.kv.window.plan_tiers computes it: a windowed sequence writes every full page through to the host, so
-    # the host pool is its reach (with ring auto, a sequence within the window needs no host page).
-    reach_gpu = min(pages * PAGE_SIZE, window) if (ringed or capped) else pages * PAGE_SIZE
-    reach_tiered = None
-    if ringed and host_pages:
-        reach_tiered = host_pages * PAGE_SIZE if ring == "on" else max(host_pages * PAGE_SIZE, reach_gpu)
+    reach_gpu, reach_tiered = sequence_reach(pages, host_pages, window, ring)
     host_needed = ctx_pages if ringed else 0
 
     ledger = Ledger(shape, lines, budgets, wdtype, kv_dtype, PAGE_SIZE, page_bytes, pages, auto, fit, wanted,

@@ -10,7 +10,9 @@ from typing import Any, Mapping
 
 from engine.errors import ModelLoadError
 from engine.ledger.common import GIB, SYNTHETIC_NAMES, WEIGHT_BITS
+from engine.memory.dtypes import FLOAT_FORMATS, auto_float
 from engine.memory.geometry import KV_LAYOUTS
+from engine.memory.specs import gated_delta_spec
 
 
 @dataclass(frozen=True)
@@ -24,21 +26,12 @@ class LinearAttention:
     conv_dim: int = 0
     conv_kernel: int = 4
     kind: str = "gated-deltanet"
-    conv_bytes: int = 2  # the conv window is kept in the activations' dtype: bf16 on a GPU (see activation_bytes)
+    conv_dtype: str = "bfloat16"  # the conv window is kept in the activations' dtype: bf16 on a GPU (on_device)
 
     def state_bytes(self, fp16: bool = False) -> int:
-        """Per sequence: the delta-rule state (fp32, or fp16 with --gdn-state-fp16) and the conv window."""
-        recurrent = self.num_v_heads * self.head_k_dim * self.head_v_dim * (2 if fp16 else 4)
-        conv = max(self.conv_kernel - 1, 0) * self.conv_dim * self.conv_bytes
-        return self.layers * (recurrent + conv)
-
-
-def activation_bytes(weight_dtype: str, on_gpu: bool) -> int:
-    """Bytes of one activation value as engine.build picks their dtype: a float --weight-dtype (fp32, fp16, bf16)
-    itself; auto and the low-bit formats bf16 on a GPU, fp32 on the CPU (engine.model.formats.pick_dtype)."""
-    if weight_dtype in ("fp32", "fp16", "bf16"):
-        return int(WEIGHT_BITS[weight_dtype]) // 8
-    return 2 if on_gpu else 4
+        """Per sequence: the layers' cache spec (engine/memory/specs.gated_delta_spec), the delta-rule state in fp32
+        (fp16 with --gdn-state-fp16) and the conv window."""
+        return self.layers * gated_delta_spec(self, self.conv_dtype, "float16" if fp16 else "float32").nbytes
 
 
 @dataclass(frozen=True)
@@ -62,7 +55,7 @@ class ModelShape:
     source: str = "config"  # "config", "gguf", "hf", "synthetic"
     linear: LinearAttention | None = None
     mtp_layers: int = 0
-    state_bytes_override: int | None = None
+    spec_state_bytes: int | None = None
     recurrent_layers: int = 0  # layers with a recurrent state other than Gated-DeltaNet (from the model's specs)
     weight_bytes_by_dtype: Mapping[str, int] = field(default_factory=dict)
 
@@ -85,7 +78,7 @@ class ModelShape:
                    params=params or cfg.num_parameters(), heads=cfg.num_heads, intermediate=cfg.intermediate_size,
                    max_position=cfg.max_position, stored_bytes=stored_bytes, stored_format=stored_format,
                    source=source, linear=linear, mtp_layers=mtp_layers, recurrent_layers=len(recurrent),
-                   state_bytes_override=sum(s.nbytes for s in recurrent) if recurrent else None)
+                   spec_state_bytes=sum(s.nbytes for s in recurrent) if recurrent else None)
 
     @classmethod
     def synthetic(cls, name: str) -> "ModelShape":
@@ -106,10 +99,12 @@ class ModelShape:
 
     def on_device(self, on_gpu: bool, weight_dtype: str = "auto") -> "ModelShape":
         """This shape with the linear-attention conv window in the dtype the engine keeps it in on that device with
-        that --weight-dtype (activation_bytes); unchanged without one, or when a built model's specs count it."""
-        if self.linear is None or self.state_bytes_override is not None:
+        that --weight-dtype (its float format; auto and the low-bit formats: dtypes.auto_float); unchanged without
+        one, or when a built model's specs count it."""
+        if self.linear is None or self.spec_state_bytes is not None:
             return self
-        return replace(self, linear=replace(self.linear, conv_bytes=activation_bytes(weight_dtype, on_gpu)))
+        conv = FLOAT_FORMATS.get(weight_dtype) or auto_float(on_gpu)
+        return replace(self, linear=replace(self.linear, conv_dtype=conv.torch_name))
 
     # -- derived numbers
     @property
@@ -122,8 +117,8 @@ class ModelShape:
 
     def state_bytes(self, fp16: bool = False) -> int:
         """Recurrent-state bytes per sequence (0 for pure attention models)."""
-        if self.state_bytes_override is not None:
-            return self.state_bytes_override
+        if self.spec_state_bytes is not None:
+            return self.spec_state_bytes
         return self.linear.state_bytes(fp16) if self.linear else 0
 
     def weight_bytes(self, dtype: str = "auto") -> int:

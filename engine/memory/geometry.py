@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from engine.memory.dtypes import FLOAT_FORMATS, auto_float
+
 PAGE_SIZE = 64  # tokens a KV page holds
 
 
@@ -59,6 +61,22 @@ class WindowSpec:
         return self.ring == "on" or (self.ring == "auto" and tokens > self.window)
 
 
+def sequence_reach(gpu_pages: int, host_pages: int, window: int, ring: str,
+                   page_size: int = PAGE_SIZE) -> tuple[int, int | None]:
+    """Tokens one sequence can hold when it has the pools to itself: (in the device pool alone, with the host tier
+    or None where there is none). A window caps the device part; a windowed sequence writes every full page through
+    to the host, so the host pool is its reach (with ring auto, a sequence within the window needs no host page).
+    The one formula: the ledger plans with it, engine/kv/window.plan_tiers runs with it."""
+    gpu = gpu_pages * page_size
+    if window <= 0:
+        return gpu, None
+    on_device = min(WindowSpec.round(window, page_size), gpu)
+    if ring == "off" or not host_pages:
+        return on_device, None
+    host = host_pages * page_size
+    return on_device, host if ring == "on" else max(host, on_device)
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -95,9 +113,7 @@ class KVLayout:
 
 
 KV_LAYOUTS: dict[str, KVLayout] = {
-    "fp32": KVLayout("fp32", 32, 32, None, None),
-    "fp16": KVLayout("fp16", 16, 16, None, None),
-    "bf16": KVLayout("bf16", 16, 16, None, None),
+    **{f.name: KVLayout(f.name, f.bits, f.bits, None, None) for f in FLOAT_FORMATS.values()},
     "k8v8": KVLayout("k8v8", 8, 8, 0, 0),
     "k8v4": KVLayout("k8v4", 8, 4, 0, 32),
     "k4v4": KVLayout("k4v4", 4, 4, 32, 32),
@@ -109,9 +125,11 @@ KV_DTYPES = ("auto", *KV_LAYOUTS)
 
 
 def resolve_kv_dtype(name: str, on_gpu: bool) -> str:
-    """``auto`` is what engine.model.formats.pick_dtype picks: bf16 on a GPU, fp32 on the CPU."""
+    """The one resolver of a KV dtype's name: ``auto`` is what engine.model.formats.pick_dtype picks for the
+    activations, bf16 on a GPU, fp32 on the CPU (engine.model.formats.pick_kv_dtype turns the name into what the
+    KV cache takes; the ledger plans with the name)."""
     if name == "auto":
-        return "bf16" if on_gpu else "fp32"
+        return auto_float(on_gpu).name
     if name not in KV_LAYOUTS:
         raise ValueError(f"unknown KV dtype {name!r}; one of {', '.join(KV_DTYPES)}")
     return name

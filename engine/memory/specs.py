@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+from engine.memory.dtypes import float_format
+
 
 
 @dataclass(frozen=True)
@@ -24,11 +25,11 @@ class AttentionSpec:
 class StateTensor:
     name: str
     shape: tuple[int, ...]
-    dtype: str = "float32"  # a DTYPE_BYTES key
+    dtype: str = "float32"  # torch's name of a float format (engine/memory/dtypes.py)
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
+        return math.prod(self.shape) * float_format(self.dtype).bytes
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,15 @@ class RecurrentSpec:
     def nbytes(self) -> int:
         """Bytes of one sequence's state in this layer."""
         return sum(t.nbytes for t in self.tensors)
+
+
+def gated_delta_spec(n, activation_dtype: str, state_dtype: str) -> RecurrentSpec:
+    """What a Gated-DeltaNet layer keeps per sequence (`n`: its shape, a ModelConfig's `linear` or the ledger's
+    LinearAttention): the conv window of its last kernel - 1 inputs, in the activations' dtype, and the delta-rule
+    state per value head, in `state_dtype` (float32, or float16 with --gdn-state-fp16). The one formula of a
+    recurrent state's bytes: the layer allocates from it, the ledger plans with it."""
+    return RecurrentSpec((StateTensor("conv", (n.conv_dim, n.conv_kernel - 1), activation_dtype),
+                          StateTensor("ssm", (n.num_v_heads, n.head_k_dim, n.head_v_dim), state_dtype)))
 
 
 LAYER_KINDS = ("attention", "recurrent")

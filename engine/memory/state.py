@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.kv.prefix import page_key
+from engine.memory.dtypes import float_format
 from engine.memory.specs import RecurrentSpec
 
 log = logging.getLogger("ninfer.state")
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 Snapshot = list  # one state outside the pool: per recurrent layer, {tensor name: tensor of one slot's shape}
 
@@ -41,7 +41,7 @@ class StatePool:
         (engine/model/graphs.py): `self.scratch`."""
         self.num_slots, self.device = num_slots, device
         self.scratch = num_slots if scratch else None
-        self.layers = [{t.name: torch.zeros((num_slots + scratch, *t.shape), dtype=TORCH_DTYPES[t.dtype],
+        self.layers = [{t.name: torch.zeros((num_slots + scratch, *t.shape), dtype=getattr(torch, float_format(t.dtype).torch_name),
                                             device=device) for t in spec.tensors} for spec in specs]
         self.slot_bytes = sum(spec.nbytes for spec in specs)
         self._free = list(range(num_slots))

@@ -4,15 +4,15 @@ from __future__ import annotations
 import torch
 
 from engine.kv.quant import QUANT_KV_DTYPES
+from engine.memory.dtypes import auto_float, float_format
+from engine.memory.geometry import resolve_kv_dtype
 from engine.model.linear import LOW_BIT, native_format
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
+    fmt = auto_float(device.type == "cuda") if name == "auto" else float_format(name)
+    return getattr(torch, fmt.torch_name)
 
 
 def weight_format(name: str, weights) -> str:
@@ -26,6 +26,5 @@ def weight_format(name: str, weights) -> str:
 def pick_kv_dtype(name: str, device: torch.device) -> torch.dtype | str:
     """The KV cache's format: auto = fp32 on the CPU, bf16 on CUDA (as the weights); a float name as its torch
     dtype; the quantized formats (k8v8, k8v4, k4v4, rk4v4) only when asked for, as their name."""
-    if name in QUANT_KV_DTYPES:
-        return name
-    return pick_dtype(name, device)
+    name = resolve_kv_dtype(name, on_gpu=device.type == "cuda")
+    return name if name in QUANT_KV_DTYPES else pick_dtype(name, device)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.memory.specs import RecurrentSpec, StateTensor
+from engine.memory.specs import gated_delta_spec
 from engine.model.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import rms_norm, silu_and_mul
@@ -50,8 +50,7 @@ class GDNLayer:
         self.out = Linear(w[a + "out_proj.weight"])
         self.gate_up = Linear(fuse([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]]))
         self.down = Linear(w[prefix + "mlp.down_proj.weight"])
-        self.cache_spec = RecurrentSpec((StateTensor("conv", (n.conv_dim, n.conv_kernel - 1), activation_dtype),
-                                         StateTensor("ssm", (n.num_v_heads, n.head_k_dim, n.head_v_dim), state_dtype)))
+        self.cache_spec = gated_delta_spec(n, activation_dtype, state_dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ordinal: int, batch: ForwardBatch,
                 rotary=None, rope_tables=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,8 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a lo
 
 @pytest.fixture(scope="module")
 def engines(engine_for):
-    made = {mode: engine_for(None, cpu_compile=mode, max_concurrency=1, max_context=1024) for mode in ("auto", "off")}
+    made = {mode: engine_for(None, cpu_compile=mode, max_concurrency=1, max_context=1024, own_model=mode == "off")
+            for mode in ("auto", "off")}  # the "off" model is changed below: its own
     off = made["off"].engine.runner
     use_cpu_kernel(off.model)  # auto's decode kernel and dense prompt path, so that the output layer is the difference
     off.dense_prefill = enable_dense_prefill(off.model, PREFILL_DENSE_ROWS)

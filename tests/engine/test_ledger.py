@@ -117,7 +117,7 @@ def test_gated_deltanet_state(qwen):
     conv = 48 * 3 * 10240 * 2
     assert qwen.state_bytes() == 48 * 48 * 128 * 128 * 4 + conv
     assert qwen.state_bytes(fp16=True) == 48 * 48 * 128 * 128 * 2 + conv
-    assert replace(qwen, state_bytes_override=123).state_bytes() == 123
+    assert replace(qwen, spec_state_bytes=123).state_bytes() == 123
     assert LinearAttention(2, 4, 8, 8, 0, 4).state_bytes() == 2 * 4 * 8 * 8 * 4
 
 
