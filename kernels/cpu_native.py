@@ -67,8 +67,8 @@ def _source() -> str:
 
 def build_dir(key: str) -> str | None:
     """Where the build with this key goes: a folder beside inductor's cache (engine/kernel_cache.py points
-    TORCHINDUCTOR_CACHE_DIR into the user's kernel cache, engine/kernel_cache.py), else None: torch's own extensions folder, under a name that
-    carries the same key."""
+    TORCHINDUCTOR_CACHE_DIR into the user's kernel cache), else None: torch's own extensions folder, under a name
+    that carries the same key."""
     root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     return os.path.join(os.path.dirname(root), "cpu_native", key) if root else None
 
