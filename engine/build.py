@@ -108,7 +108,7 @@ def in_own_thread(fn):
 @dataclass
 class LoadedModel:
     """A model read, converted and self-checked, before any sequence memory exists: what `assemble_engine` builds
-    engines over. `config` holds the settings it was loaded under (MODEL_FIELDS are the ones that shaped it)."""
+    engines over. `settings` are the settings it was loaded under (MODEL_FIELDS are the ones that shaped it)."""
     net: Any  # the model (engine/model/registry.py)
     tokenizer: Tokenizer
     config: ModelConfig
