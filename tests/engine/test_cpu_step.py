@@ -1,7 +1,7 @@
 """--cpu-compile step (engine/model/cpu_step.py): a decode step of one sequence runs as one compiled graph. On a
 llama-family model and a Qwen3.5 hybrid: the greedy tokens are transformers' and the eager path's, each decode
-step's logits are the eager step's within 1e-5 relative, one graph serves every length and every sequence, and a
-machine where compiling fails decodes eagerly after one log line."""
+step's logits are the eager step's within 1e-5 relative (within a bf16 rounding's reach for int4), one graph serves
+every length and every sequence, and a machine where compiling fails decodes eagerly after one log line."""
 from __future__ import annotations
 
 import logging
@@ -77,6 +77,11 @@ def test_compiled_steps_match_eager_and_transformers_across_lengths_and_sequence
     every step runs compiled, through the one graph compiled when the runner was built."""
     hf, model, compiled, eager = case
     vocab = model.cfg.vocab_size
+    # int4: the ATen kernel takes activations rounded to bf16, and the graph's fused norm can land an activation on
+    # the other side of a bf16 rounding than the eager one (measured: up to 7.5e-3 on AVX-512, 0 on AVX2). That
+    # rounding's own effect on a step is larger (1e-2 to 2e-2 median against float32 activations); the graph of
+    # another model's weights is 1.5 away.
+    bound = 2e-2 if hf is None else 1e-5
     for seed, length, first_page in ((1, 41, 0), (2, 58, 3)):
         prompt = tokens(seed, length, vocab)
         pages = list(range(first_page, first_page + 3))
@@ -86,7 +91,7 @@ def test_compiled_steps_match_eager_and_transformers_across_lengths_and_sequence
         assert compiled.graphs.compiled.steps - before == 63
         assert got == want == greedy(hf, prompt, 64, want)
         worst = max(rel_err(a, b) for a, b in zip(got_logits, want_logits))
-        assert worst <= 1e-5, worst
+        assert worst <= bound, worst
     assert compiled.graphs.compiled.compiles == 1
 
 
