@@ -13,11 +13,8 @@ import torch
 from engine.constrain import ConstraintError
 from engine.engine_config import EngineConfig
 from engine.errors import NInferError
-from engine.kv.prefix import PrefixCache, resolve_max_shared_prefixes
-from engine.kv.window import host_backed_prefixes, plan_tiers, tier_stats
-from engine.memory.attention import AttentionMemory
-from engine.memory.manager import MemoryManager
-from engine.memory.state import StateMemory
+from engine.kv.window import tier_stats
+from engine.memory.build import assemble
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token
 from engine.scheduler import Scheduler
@@ -56,21 +53,10 @@ class Engine:
         max_concurrency, max_queue, prefill_chunk = c.max_concurrency, c.max_queue, c.prefill_chunk
         self.runner = runner
         self.pool = runner.pool
-        # cached prompt prefixes, shared by later requests (max_shared_prefixes 0 turns reuse off);
-        # the cache lives with the pool, i.e. with the model, so a later Engine over the same runner keeps it
-        self.prefix = PrefixCache.for_pool(self.pool, resolve_max_shared_prefixes(c.max_shared_prefixes,
-                                                                                  max_concurrency))
-        # KV tiers: a GPU window + host pages + retrieval (engine/kv/window.py); kv_reach: tokens one sequence may hold
-        self.tiers, self.kv_reach, self._reach_what = plan_tiers(
-            runner, window=c.kv_window, retrieve=c.kv_retrieve, ring=c.kv_ring, chunk=prefill_chunk,
-            allow_lossy=c.allow_lossy_window, speculative=getattr(speculator, "needs_hidden", False))
-        attention = AttentionMemory(self.pool, self.prefix, self.tiers,
-                                    host_backed_prefixes(runner, self.prefix, c.kv_reuse_hostbacked),
-                                    kv=getattr(runner, "kv", None))  # partial prefix pages are copied in it
-        state = None
-        if getattr(runner, "state", None) is not None:  # the model has recurrent layers
-            state = StateMemory(runner.state, self.pool.page_size, state_snapshots if self.prefix is not None else 0)
-        self.memory = MemoryManager(attention, state)
+        self.sequence_memory = assemble(runner.pools, c, speculative=getattr(speculator, "needs_hidden", False),
+                                    state_snapshots=state_snapshots)
+        self.memory = self.sequence_memory.manager
+        self.kv_reach = self.sequence_memory.reach
         self.scheduler = Scheduler(self.memory, max_concurrency, prefill_chunk)
         self.max_context = c.max_context
         self.eos_ids = eos_ids
@@ -93,7 +79,7 @@ class Engine:
     @property
     def context_limit(self) -> str:
         """What sets context_tokens: "the context length" or the KV tier that limits it."""
-        return "the context length" if self.max_context < self.kv_reach else self._reach_what
+        return "the context length" if self.max_context < self.kv_reach else self.sequence_memory.reach_what
 
     # ---- the API other threads call -------------------------------------------------------------------------
     def start(self) -> "Engine":
@@ -118,7 +104,7 @@ class Engine:
         if len(prompt) >= self.max_context:
             raise ContextLengthError(len(prompt), self.max_context, "the context length")
         if len(prompt) >= capacity:
-            raise ContextLengthError(len(prompt), capacity, self._reach_what)
+            raise ContextLengthError(len(prompt), capacity, self.sequence_memory.reach_what)
         if params.constraint is not None:  # the sequence's own grammar state, from the (untouched) template
             params = dataclasses.replace(params, constraint=params.constraint.fresh())
         request_id = request_id or uuid.uuid4().hex
@@ -143,7 +129,7 @@ class Engine:
         # pages_free counts idle cached pages too (any allocation may evict them); pages_cached is that part
         return dict(self.counters, running=len(s.running), waiting=len(s.waiting), preemptions=s.preemptions,
                     pages_total=self.pool.num_pages, pages_free=self.pool.num_free, page_size=self.pool.page_size,
-                    pages_cached=self.pool.num_cached, **self.memory.stats(), **tier_stats(self.runner, self.tiers, s),
+                    pages_cached=self.pool.num_cached, **self.memory.stats(), **tier_stats(self.runner.pools.host, self.sequence_memory.tiers, s),
                     **(self.speculator.stats() if self.speculator is not None else {}))
 
     def step(self) -> bool:

@@ -7,12 +7,10 @@ from typing import Callable
 
 import torch
 
-from engine.kv.cache import KVCache
-from engine.kv.host import HostPool
-from engine.kv.pages import PagePool
 from engine.kv.table import PageTable
+from engine.memory.build import allocate
 from engine.memory.geometry import PAGE_SIZE, pads
-from engine.memory.state import SeqState, StatePool
+from engine.memory.state import SeqState
 from engine.model.batch import ForwardBatch
 from engine.model.cpu_hybrid import make as cpu_fused_step
 from engine.model.cpu_step import CompiledStep
@@ -53,25 +51,17 @@ class ModelRunner:
         (--cpu-compile auto): on the CPU, decode steps run as one C++ call (engine/model/cpu_fused.py, a hybrid's
         cpu_hybrid.py), where the model's layers and KV cache allow it.
 
-        The model's `cache_specs` (engine/memory/specs.py, one per layer) size the pools: the KV cache holds the
-        attention layers (indexed by their ordinal among them), the state pool the recurrent ones."""
+        The pools are allocated from the model's `cache_specs` (engine/memory/build.allocate); `kv`, `pool`, `host`
+        and `state` are its parts."""
         self.model = model
         self.device = model.device
-        specs = model.cache_specs
-        attention = [s for s in specs if s.kind == "attention"]
-        recurrent = [s for s in specs if s.kind == "recurrent"]
         capture = resolve_cuda_graphs(cuda_graphs, torch.device(model.device))
         padded = capture or static_decode
-        # padded: one more KV page than the pool hands out, the scratch page of the dummy rows
-        self.kv = KVCache(len(attention), num_pages + padded, attention[0].num_kv_heads, attention[0].head_dim,
-                          kv_dtype, model.device, page_size)
-        if recurrent and state_slots < 1:
-            raise ValueError("a model with recurrent layers needs state_slots >= 1")
-        self.state = StatePool(recurrent, state_slots, torch.device(model.device),
-                               scratch=padded and pads(max_batch)) if recurrent else None
-        self.pool = PagePool(num_pages, page_size)
+        self.pools = allocate(model.cache_specs, model.device, num_pages, kv_dtype, page_size, host_pages=host_pages,
+                              host_pinned=host_pinned, state_slots=state_slots, padded=padded,
+                              state_scratch=padded and pads(max_batch))
+        self.kv, self.pool, self.host, self.state = self.pools.kv, self.pools.pages, self.pools.host, self.pools.state
         self.page_size = page_size
-        self.host = HostPool(self.kv, host_pages, host_pinned) if host_pages else None
         self.dense_prefill = enable_dense_prefill(model, PREFILL_DENSE_ROWS) if prefill_cublas else None
         # the CPU reads each row's pages as views (the page-table twin would gather them); where Triton runs (CUDA,
         # or the interpreter in the tests) the page-table kernel reads them in place

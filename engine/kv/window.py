@@ -316,13 +316,13 @@ def _refuse(p) -> None:
     raise NInferError(p.message + ".", p.remedy[0].upper() + p.remedy[1:] + ".")
 
 
-def plan_tiers(runner, *, window: int, retrieve: int, ring: str, chunk: int, allow_lossy: bool,
+def plan_tiers(pools, *, window: int, retrieve: int, ring: str, chunk: int, allow_lossy: bool,
                speculative: bool = False) -> tuple[Tiering | None, int, str]:
-    """The tiers an engine runs with: (Tiering or None, the most tokens one sequence may hold, what limits it).
-    Raises NInferError for a combination that cannot work (engine.memory.geometry.tier_problems, on the pools the
-    runner has), naming the remedy."""
-    pool = runner.pool
-    ps, host = pool.page_size, getattr(runner, "host", None)
+    """The tiers an engine runs with on `pools` (engine/memory/build.Pools): (Tiering or None, the most tokens one
+    sequence may hold, what limits it). Raises NInferError for a combination that cannot work
+    (engine.memory.geometry.tier_problems, on those pools), naming the remedy."""
+    pool = pools.pages
+    ps, host = pool.page_size, pools.host
     problems = tier_problems(dict(
         kv_window=window, kv_retrieve=retrieve, kv_ring=ring, host_kv_mib=int(host is not None and window > 0),
         kv_capacity=pool.num_pages * ps, max_context=0, prefill_chunk=chunk, allow_lossy_window=allow_lossy,
@@ -340,12 +340,11 @@ def plan_tiers(runner, *, window: int, retrieve: int, ring: str, chunk: int, all
     if spec.lossy:
         log.warning("KV window %d tokens without retrieval (--allow-lossy-window): context older than the window "
                     "is dropped from attention (lossy)", window)
-    return Tiering(spec, host, runner.kv), tiered, "the host KV tier (--host-kv-mib)"
+    return Tiering(spec, host, pools.kv), tiered, "the host KV tier (--host-kv-mib)"
 
 
-def tier_stats(runner, tiers: Tiering | None, scheduler) -> dict:
+def tier_stats(host: HostPool | None, tiers: Tiering | None, scheduler) -> dict:
     """The KV-tier part of Engine.stats(): host pages, retrieval traffic, window and evictions."""
-    host = getattr(runner, "host", None)
     windowed = [seq.pages for seq in scheduler.running if seq.pages.windowed]
     spec = tiers.spec if tiers is not None else None
     out = dict(kv_host_pages_total=host.num_pages if host else 0,
@@ -366,10 +365,10 @@ def tier_stats(runner, tiers: Tiering | None, scheduler) -> dict:
     return out
 
 
-def host_backed_prefixes(runner, prefix, enabled: bool):
-    """The host store of evicted prefix pages (--kv-reuse-hostbacked), attached to the GPU prefix cache; None when
-    off. Raises NInferError when it cannot work."""
-    host = getattr(runner, "host", None)
+def host_backed_prefixes(pools, prefix, enabled: bool):
+    """The host store of evicted prefix pages (--kv-reuse-hostbacked) on `pools`' host tier, attached to the GPU
+    prefix cache; None when off. Raises NInferError when it cannot work."""
+    host = pools.host
     if prefix is not None:
         prefix.backing = None
     if not enabled:
@@ -380,6 +379,6 @@ def host_backed_prefixes(runner, prefix, enabled: bool):
         max_shared_prefixes=int(prefix is not None), host_pageable=False, spec=""))
     if problems:
         _refuse(problems[0])
-    store = HostPrefixStore.for_host(host, runner.kv)
+    store = HostPrefixStore.for_host(host, pools.kv)
     prefix.backing = store
     return store

@@ -257,7 +257,7 @@ class _HookedRunner:
     """A runner that calls `before_step` on the engine thread before each forward pass."""
 
     def __init__(self, runner, before_step):
-        self.runner, self.pool, self.before_step = runner, runner.pool, before_step
+        self.runner, self.pools, self.pool, self.before_step = runner, runner.pools, runner.pool, before_step
 
     def run(self, works):
         self.before_step()

@@ -98,7 +98,7 @@ class _Watch:
     """A runner wrapper recording how many sequences hold a state slot at each step."""
 
     def __init__(self, runner):
-        self.runner, self.pool, self.kv, self.state = runner, runner.pool, runner.kv, runner.state
+        self.runner, self.pools, self.pool, self.kv, self.state = runner, runner.pools, runner.pool, runner.kv, runner.state
         self.holding: list[int] = []
 
     def run(self, works):

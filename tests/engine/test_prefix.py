@@ -33,7 +33,8 @@ class CheckedRunner:
     cache's own invariants. Violations are collected (an exception would only fail the step)."""
 
     def __init__(self, runner: ModelRunner, before_step=None):
-        self.runner, self.pool, self.kv, self.before_step = runner, runner.pool, runner.kv, before_step
+        self.runner, self.pools, self.pool, self.kv = runner, runner.pools, runner.pool, runner.kv
+        self.before_step = before_step
         self.violations: list[str] = []
         self.steps = 0
 
