@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from engine.errors import NInferError
-from engine.kv.settings import kv_note, kv_tier_problems
+from engine.kv_settings import kv_note, kv_tier_problems
 from engine.modes import load_modes
 from engine.settings import Settings
 from engine.settings_table import ENV_ALLOWED, ENV_ALLOWED_PREFIXES, GROUPS, SETTINGS, Setting

@@ -13,7 +13,7 @@ import torch
 from engine.constrain import ConstraintError
 from engine.engine_config import EngineConfig
 from engine.errors import NInferError
-from engine.kv.window import tier_stats
+from engine.memory.kv.window import tier_stats
 from engine.memory.build import assemble
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from engine.kv.table import PageTable
+from engine.memory.kv.table import PageTable
 from engine.memory.build import allocate
 from engine.memory.geometry import PAGE_SIZE, pads
 from engine.memory.state import SeqState
@@ -25,7 +25,7 @@ log = logging.getLogger("ninfer.model")
 @dataclass
 class Work:
     """Compute `tokens` of one sequence, which start at position `start`; its KV pages are `pages` (its page
-    table, engine/kv/table.py), its recurrent state `state` (models with recurrent layers)."""
+    table, engine/memory/kv/table.py), its recurrent state `state` (models with recurrent layers)."""
     tokens: list[int]
     start: int
     pages: PageTable

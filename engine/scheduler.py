@@ -19,7 +19,7 @@ class Scheduler:
     A windowed sequence (KV tiers) computes its prompt in whole chunks that start at multiples of `prefill_chunk`,
     or nothing in a step whose remaining budget is shorter: what a windowed step computes depends on where it
     starts, so this makes a prompt compute the same KV however the budget is shared and wherever a reused prefix
-    ends (engine/kv/window.py: Tiering.reuse_depth)."""
+    ends (engine/memory/kv/window.py: Tiering.reuse_depth)."""
 
     def __init__(self, memory: MemoryManager, max_concurrency: int, prefill_chunk: int):
         self.memory = memory

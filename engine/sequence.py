@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from engine.kv.table import PageTable
+from engine.memory.kv.table import PageTable
 from engine.memory.manager import SequenceMemory
 from engine.sampling import SamplingParams
 
@@ -68,7 +68,7 @@ class Sequence:
 
     @property
     def pages(self) -> PageTable:
-        """Its attention page table (engine/kv/table.py)."""
+        """Its attention page table (engine/memory/kv/table.py)."""
         return self.memory.pages
 
     @pages.setter

@@ -141,7 +141,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def kv_quant_write(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
                    group: int) -> bool:
     """Quantizes and writes KV rows with the Triton kernel where it runs (True); False leaves it to the caller's
-    PyTorch path (engine/kv/quant.py, the twin)."""
+    PyTorch path (engine/memory/kv/quant.py, the twin)."""
     if not use_triton(x.device):
         return False
     from kernels import kv_write

@@ -1,6 +1,6 @@
 """Triton: quantize this step's K or V rows and write them into their KV-cache pages (quantize-on-write).
 
-Twin: `engine.kv.quant.quantize` followed by `index_copy_` into the page slots (engine/kv/cache.py). The format is
+Twin: `engine.memory.kv.quant.quantize` followed by `index_copy_` into the page slots (engine/memory/kv/cache.py). The format is
 docs/KV.md's: symmetric, round half to even, per (token, head) int8 with one fp16 scale, or int4 in groups of G
 channels with one fp16 scale per group, two codes a byte (element 2j in the low nibble), code = q + 8. Scales:
 absmax / 127 (int8) or / 7.5 (int4), times (1 + 2^-10), clamped to [2^-14, 65504], then rounded to fp16; codes are

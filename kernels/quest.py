@@ -1,7 +1,7 @@
 """Triton: Quest page bounds, the upper bound of q . k over every key of a page from its per-channel key minimum and
 maximum: sum_i max(q_i * min_i, q_i * max_i) = max(q, 0) . max + min(q, 0) . min.
 
-Twin: `kernels.reference.quest_bounds_ref` (engine/kv/summary.py uses the same formula to pick pages to retrieve).
+Twin: `kernels.reference.quest_bounds_ref` (engine/memory/kv/summary.py uses the same formula to pick pages to retrieve).
 Layout: q [T, Hq, D], kmin/kmax [N, Hkv, D] -> [N, T, Hkv, G], G = Hq / Hkv (query head h reads KV head h // G).
 One program per (block of BLOCK_N pages, KV head, query row): a multiply-reduce over D in float32 (few registers;
 a page's summary is re-read per query row, from cache: T * G is small for decode).

@@ -87,7 +87,7 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 def kv_dequantize_ref(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """KV-cache rows [..., D] in float32 from their codes and fp16 scales (docs/KV.md; the twin of
-    engine.kv.quant.dequantize, tested bit-identical to it): int8 codes [..., D] times one scale [..., 1]; packed
+    engine.memory.kv.quant.dequantize, tested bit-identical to it): int8 codes [..., D] times one scale [..., 1]; packed
     int4 uint8 [..., D/2] (element 2j in the low nibble of byte j, stored as q + 8) times the scale of each channel's
     group [..., D/G]. Each product is exact in float32."""
     if codes.dtype == torch.int8:

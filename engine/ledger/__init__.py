@@ -26,7 +26,7 @@ rk4v4      as k4v4, K rotated (a Hadamard transform along D) before quantizing; 
 =========  =====================================================  ==========================================
 
 All integer formats are symmetric (no zero point, no min). When D is not a multiple of 32 the int4 group is the
-largest even divisor of D up to 32. engine/kv/quant.py implements this layout (codes and fp16 scales in tensors
+largest even divisor of D up to 32. engine/memory/kv/quant.py implements this layout (codes and fp16 scales in tensors
 [pages, 64, kv_heads, ...]); a test keeps the two byte counts equal.
 Pages hold PAGE_SIZE = 64 tokens of every full-attention layer: page bytes = 64 x bytes per token.
 Planning-only layouts (the engine has no kernels for them; they reproduce the seeds' format): ``k4v4-e8`` and

@@ -10,7 +10,7 @@ len(tokens) - 1 in all). A sequence that releases its pages leaves its partial l
 pages count as available, so a request that fits the pool is never held back by cached prefixes: allocation evicts
 them.
 
-With KV tiers (engine/kv/window.py), a sequence longer than the window (or every one, with ring on) runs windowed:
+With KV tiers (engine/memory/kv/window.py), a sequence longer than the window (or every one, with ring on) runs windowed:
 at admission, or when it outgrows the window while decoding, it takes its fixed GPU footprint and host pages for its
 whole length, and from then on needs no more GPU pages. A windowed sequence admitted with a cached prefix (full pages
 in the GPU prefix cache, continued in the host prefix store) starts from those pages (Tiering.open /
@@ -31,12 +31,12 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from engine.kv.cache import KVCache
-from engine.kv.hostprefix import HostPrefixStore
-from engine.kv.pages import PagePool
-from engine.kv.prefix import PrefixCache
-from engine.kv.table import PageList
-from engine.kv.window import Tiering
+from engine.memory.kv.cache import KVCache
+from engine.memory.kv.hostprefix import HostPrefixStore
+from engine.memory.kv.pages import PagePool
+from engine.memory.kv.prefix import PrefixCache
+from engine.memory.kv.table import PageList
+from engine.memory.kv.window import Tiering
 
 log = logging.getLogger("ninfer.scheduler")
 

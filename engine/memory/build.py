@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from engine.engine_config import EngineConfig
-from engine.kv.cache import KVCache
-from engine.kv.host import HostPool
-from engine.kv.pages import PagePool
-from engine.kv.prefix import PrefixCache, resolve_max_shared_prefixes
-from engine.kv.window import Tiering, host_backed_prefixes, plan_tiers
+from engine.memory.kv.cache import KVCache
+from engine.memory.kv.host import HostPool
+from engine.memory.kv.pages import PagePool
+from engine.memory.kv.prefix import PrefixCache, resolve_max_shared_prefixes
+from engine.memory.kv.window import Tiering, host_backed_prefixes, plan_tiers
 from engine.memory.attention import AttentionMemory
 from engine.memory.geometry import PAGE_SIZE
 from engine.memory.manager import MemoryManager
@@ -67,7 +67,8 @@ class EngineMemory:
     reach_what: str  # what sets the reach, for error messages
 
 
-def assemble(pools: Pools, config: EngineConfig, *, speculative: bool = False, state_snapshots: int = 0) -> EngineMemory:
+def assemble(pools: Pools, config: EngineConfig, *, speculative: bool = False,
+             state_snapshots: int = 0) -> EngineMemory:
     """The memory an engine runs with on `pools` under `config`'s prefix and KV-tier settings (`speculative`: a
     speculator that needs the target's hidden states; `state_snapshots`: recurrent-state snapshots kept for prefix
     reuse). Raises NInferError for a tier combination that cannot work, naming the remedy. The prefix cache lives

@@ -2,9 +2,9 @@
 read them here): the page size, a KV window's footprint, the bytes of each KV dtype, and which KV-tier settings
 work together.
 
-The KV byte layout is the contract engine/kv/quant.py allocates (tests/engine/test_kv_quant.py checks the tensors
+The KV byte layout is the contract engine/memory/kv/quant.py allocates (tests/engine/test_kv_quant.py checks the tensors
 it allocates against these counts); the window footprint is what a windowed sequence takes from the GPU pool
-(engine/kv/window.py)."""
+(engine/memory/kv/window.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,7 +66,7 @@ def sequence_reach(gpu_pages: int, host_pages: int, window: int, ring: str,
     """Tokens one sequence can hold when it has the pools to itself: (in the device pool alone, with the host tier
     or None where there is none). A window caps the device part; a windowed sequence writes every full page through
     to the host, so the host pool is its reach (with ring auto, a sequence within the window needs no host page).
-    The one formula: the ledger plans with it, engine/kv/window.plan_tiers runs with it."""
+    The one formula: the ledger plans with it, engine/memory/kv/window.plan_tiers runs with it."""
     gpu = gpu_pages * page_size
     if window <= 0:
         return gpu, None
@@ -99,7 +99,7 @@ class KVLayout:
         values = ceil_div(head_dim * bits, 8)
         if group is None:
             return values
-        if group:  # the largest even divisor of D up to the group (engine.kv.quant.group_size); 32 for D = 64, 256
+        if group:  # the largest even divisor of D up to the group (engine.memory.kv.quant.group_size); 32 for D = 64, 256
             group = max((g for g in range(2, min(group, head_dim) + 1, 2) if head_dim % g == 0), default=head_dim)
         groups = 1 if group == 0 else head_dim // group
         return values + groups * self.scale_bytes

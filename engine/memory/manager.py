@@ -1,6 +1,6 @@
 """One sequence's memory, and the one manager the scheduler and the speculator ask about it.
 
-A sequence's memory is its attention page table (engine/kv/table.py: a plain page list or a windowed table) and,
+A sequence's memory is its attention page table (engine/memory/kv/table.py: a plain page list or a windowed table) and,
 when the model has recurrent layers, its state slot (engine/memory/state.py). The MemoryManager pairs the attention
 layers' manager (engine/memory/attention.py) with the recurrent layers' (or none, for a pure-attention model), as
 llama.cpp's hybrid memory pairs a KV cache with a recurrent memory: callers ask it whether a sequence fits, to grow,
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.kv.table import PageList, PageTable
+from engine.memory.kv.table import PageList, PageTable
 from engine.memory.attention import AttentionMemory
 from engine.memory.state import SeqState, StateMemory
 

@@ -1,6 +1,6 @@
 """What each kind of layer keeps per sequence (the model says, per layer; the runner sizes its pools from it).
 
-- attention: K and V for every position, in the paged KV cache (engine/kv/); windowed with KV tiers;
+- attention: K and V for every position, in the paged KV cache (engine/memory/kv/); windowed with KV tiers;
 - recurrent: a fixed-size state per sequence (e.g. a Gated-DeltaNet layer's conv window and delta-rule matrix), in
   the state pool (engine/memory/state.py), whatever the sequence's length.
 

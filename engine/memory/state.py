@@ -9,7 +9,7 @@ forward. So:
   step's start: the next step recomputes the kept tokens (their KV is rewritten with the same values). One spare
   slot per speculating sequence, not one per draft token (a Qwen3.5-27B state is ~147 MiB);
 - prefix reuse: at the deepest page boundary each step reaches, the state there is saved as a snapshot keyed like
-  the prefix cache's pages (engine.kv.prefix.page_key over the tokens so far); a sequence keeps only its deepest
+  the prefix cache's pages (engine.memory.kv.prefix.page_key over the tokens so far); a sequence keeps only its deepest
   one. Admission may reuse cached KV pages only as deep as the deepest snapshot among them; the snapshot is copied
   into the new sequence's slot. A cached prefix without a snapshot is recomputed, and counted
   (state_snapshot_misses) and logged, never silently used;
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kv.prefix import page_key
+from engine.memory.kv.prefix import page_key
 from engine.memory.dtypes import float_format
 from engine.memory.specs import RecurrentSpec
 

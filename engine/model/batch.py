@@ -12,7 +12,7 @@ class SeqSlice:
     q_len: int  # tokens of this sequence computed in this step
     ctx_len: int  # tokens in its KV after this step (earlier context + q_len)
     pages: torch.Tensor | None  # page ids covering ctx_len tokens, in order (None for a windowed sequence)
-    tiers: "object | None" = None  # engine.kv.window.TieredPages of a windowed sequence, prepared for this step
+    tiers: "object | None" = None  # engine.memory.kv.window.TieredPages of a windowed sequence, prepared for this step
     first_page: int | None = None  # set when `pages` are consecutive ids: the CPU path reads them as a view, no copy
     state: int | None = None  # its recurrent-state slot (engine/memory/state.py), for models with recurrent layers
     saves: tuple = ()  # (i, snapshot): after its token i of this step, save the state (engine/memory/state.py)
@@ -54,7 +54,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] flat KV slot (page * page_size + offset) each token's K/V is written to
     seqs: list[SeqSlice]
-    kv: "object"  # engine.kv.cache.KVCache
+    kv: "object"  # engine.memory.kv.cache.KVCache
     state: "object | None" = None  # engine.memory.state.StatePool (models with recurrent layers)
     logit_rows: torch.Tensor | None = None  # rows to compute logits for; None = every row
     max_position: int = 0

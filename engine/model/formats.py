@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv.quant import QUANT_KV_DTYPES
+from engine.memory.kv.quant import QUANT_KV_DTYPES
 from engine.memory.dtypes import auto_float, float_format
 from engine.memory.geometry import resolve_kv_dtype
 from engine.model.linear import LOW_BIT, native_format

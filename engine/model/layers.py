@@ -183,7 +183,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
             qs = q[s.q_start:s.q_start + 1]
             pages, length, _ = s.tiers.page_list(cache, layer, qs, s.ctx_len)
             rows = cache.decode_attention(layer, qs, pages[None], s.ctx_lens(q.device, length), scale)
-        elif s.tiers is not None:  # a windowed sequence: sink + retrieved + window pages (engine/kv/window.py)
+        elif s.tiers is not None:  # a windowed sequence: sink + retrieved + window pages (engine/memory/kv/window.py)
             qs = q[s.q_start:s.q_start + s.q_len]
             keys, values, mask = s.tiers.context(cache, layer, qs, s.ctx_len, q.dtype)
             qt, kt, vt = qs.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.errors import NInferError
-from engine.kv.table import PageList
+from engine.memory.kv.table import PageList
 from engine.memory.geometry import PAGE_SIZE
 from engine.ledger.common import DEFAULT_DRAFT_TOKENS
 from engine.memory.state import SeqState

@@ -49,7 +49,7 @@ def _settings(**values):
 def test_quantized_kv_estimate_equals_the_ledger_and_the_engine(kv_dtype):
     import torch
 
-    from engine.kv.cache import KVCache
+    from engine.memory.kv.cache import KVCache
     from engine.ledger import KV_LAYOUTS, ModelShape, build_ledger
 
     info = model_info(None)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv.table import PageList
+from engine.memory.kv.table import PageList
 from engine.model import cpu_fused
 from engine.model.linear import Linear, use_cpu_kernel
 from engine.model.loader import load_weights

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv.table import PageList
+from engine.memory.kv.table import PageList
 from engine.memory.state import SeqState
 from engine.model import cpu_hybrid
 from engine.model.linear import use_cpu_kernel

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.kv.table import PageList
+from engine.memory.kv.table import PageList
 from engine.model.loader import load_weights
 from engine.model.registry import build_model
 from engine.runner import ModelRunner, Work

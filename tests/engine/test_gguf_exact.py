@@ -168,7 +168,7 @@ def test_mixed_k_quant_model_runs_its_exact_weights_and_fp32_logits(hf_model, tm
             seen.append(x.clone())
             return self.linear(x)
     ours.lm_head = Recording(ours.lm_head)
-    from engine.kv.table import PageList
+    from engine.memory.kv.table import PageList
     from engine.runner import Work
     from tests.engine.helpers import make_runner
     logits = make_runner(ours).run([Work(list(range(3, 40)), 0, PageList(range(4)), "all")])[0]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv.cache import KVCache
-from engine.kv.pages import PagePool
-from engine.kv.table import PageList
+from engine.memory.kv.cache import KVCache
+from engine.memory.kv.pages import PagePool
+from engine.memory.kv.table import PageList
 from engine.runner import Work
 from tests.engine.helpers import make_runner
 

@@ -1,4 +1,4 @@
-"""Quantized paged KV (engine/kv/quant.py, engine/kv/cache.py): round-trip bounds, the Hadamard rotation, bytes per
+"""Quantized paged KV (engine/memory/kv/quant.py, engine/memory/kv/cache.py): round-trip bounds, the Hadamard rotation, bytes per
 token against the ledger, attention error on keys with outlier channels, and end to end on tiny random models and on
 the embedded SmolLM2. The measured numbers are in the comments and in docs/KV.md (run with -s to see the tables)."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv import quant
-from engine.kv.cache import KVCache
-from engine.kv.quant import QUANT_KV_DTYPES, kv_format
+from engine.memory.kv import quant
+from engine.memory.kv.cache import KVCache
+from engine.memory.kv.quant import QUANT_KV_DTYPES, kv_format
 from engine.memory.geometry import KV_LAYOUTS, PAGE_SIZE
 from engine.model.batch import ForwardBatch, SeqSlice
 from engine.model.layers import paged_attention

@@ -11,7 +11,7 @@ import torch
 
 from engine.engine import ContextLengthError, Engine
 from engine.errors import NInferError
-from engine.kv.summary import page_bounds, page_scores, page_summary, select_pages
+from engine.memory.kv.summary import page_bounds, page_scores, page_summary, select_pages
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.engine.helpers import collect, our_model, tiny_hf_model, wait_idle

@@ -1,5 +1,5 @@
 """How unsure page retrieval is: the share of the Quest bound mass a selection leaves on the host, per selection
-(engine/kv/summary.py: outside_share), in Engine.stats() (kv_select_outside_mass, kv_select_outside_mass_now), in
+(engine/memory/kv/summary.py: outside_share), in Engine.stats() (kv_select_outside_mass, kv_select_outside_mass_now), in
 /metrics and in the `kvmem select` debug line."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.kv.summary import outside_share, page_scores, select_pages
+from engine.memory.kv.summary import outside_share, page_scores, select_pages
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.engine.helpers import our_model, tiny_hf_model, wait_idle

@@ -65,10 +65,10 @@ def test_head_dim_not_a_multiple_of_32_uses_the_largest_even_divisor():
 @pytest.mark.parametrize("kv", ["fp32", "fp16", "bf16", "k8v8", "k8v4", "k4v4", "rk4v4"])
 @pytest.mark.parametrize("dims", [(30, 3, 64), (16, 4, 256), (2, 2, 80), (3, 1, 96)])
 def test_bytes_match_the_engines_kv_cache(kv, dims):
-    """The ledger's arithmetic and the engine's allocation (engine.kv.cache) agree on every KV dtype."""
+    """The ledger's arithmetic and the engine's allocation (engine.memory.kv.cache) agree on every KV dtype."""
     import torch
 
-    from engine.kv.cache import KVCache
+    from engine.memory.kv.cache import KVCache
 
     layers, heads, head_dim = dims
     floats = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

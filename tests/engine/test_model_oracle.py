@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv.table import PageList
+from engine.memory.kv.table import PageList
 from engine.runner import Work
 from engine.sampling import SamplingParams
 from tests.engine.helpers import (PAGE, hf_greedy, hf_logits, make_engine, make_runner, random_prompt,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.kv import prefix as prefix_mod
-from engine.kv.pages import PagePool
-from engine.kv.prefix import PrefixCache, resolve_max_shared_prefixes
+from engine.memory.kv import prefix as prefix_mod
+from engine.memory.kv.pages import PagePool
+from engine.memory.kv.prefix import PrefixCache, resolve_max_shared_prefixes
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.engine.helpers import PAGE, collect, consume_with_aborts, our_model, random_prompt, run_concurrently, wait_idle

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv import prefix as prefix_mod
-from engine.kv.pages import PagePool
-from engine.kv.prefix import PrefixCache
+from engine.memory.kv import prefix as prefix_mod
+from engine.memory.kv.pages import PagePool
+from engine.memory.kv.prefix import PrefixCache
 from engine.sampling import SamplingParams
 from tests.engine.helpers import consume_with_aborts, our_model, random_prompt, wait_idle
 from tests.engine.test_prefix import VOCAB, assert_idle_and_whole, greedy, make

@@ -270,7 +270,7 @@ def test_the_admission_check_recomputes_summaries_and_compares_the_window_with_t
 
 def test_the_admission_check_refuses_a_windowed_reuse_off_a_chunk_boundary(tiny, monkeypatch):
     """Reusing every matched page (the behaviour before the chunk-boundary rule) fails the admission check."""
-    from engine.kv.window import Tiering
+    from engine.memory.kv.window import Tiering
 
     monkeypatch.setattr(Tiering, "reuse_depth", lambda self, pages: pages)
     base = _tokens(330, seed=19)  # 5 pages: 320 tokens, neither a chunk boundary nor within the sink's reach

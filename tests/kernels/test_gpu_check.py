@@ -89,7 +89,7 @@ def test_attention_pages_are_the_kvcache_layout():
     the paged attention (the kernel here, under the interpreter) reads them to finite values."""
     import torch
 
-    from engine.kv.cache import KVCache
+    from engine.memory.kv.cache import KVCache
     from kernels import dispatch
 
     for fmt in ("k8v4", "k4v4"):

@@ -1,9 +1,9 @@
 """KV quantize-on-write and Quest page bounds against their twins (interpreter): the codes and scales are
-bit-identical to engine/kv/quant.py's (the format's definition), the bounds equal the float32 einsum."""
+bit-identical to engine/memory/kv/quant.py's (the format's definition), the bounds equal the float32 einsum."""
 import pytest
 import torch
 
-from engine.kv.quant import dequantize, group_size, quantize
+from engine.memory.kv.quant import dequantize, group_size, quantize
 from kernels.kv_write import kv_quant_write
 from kernels.quest import quest_bounds
 from kernels.reference import quest_bounds_ref
@@ -72,8 +72,8 @@ def test_quest_bounds_match_the_twin(t, hq, hkv, n, d):
 def test_the_kv_cache_and_page_scores_route_through_the_kernels(monkeypatch):
     """Where Triton runs (here the interpreter), KVCache.write quantizes with kv_write and page_scores bounds with
     quest; the results equal the PyTorch path's (NINFER_NO_TRITON=1)."""
-    from engine.kv.cache import KVCache
-    from engine.kv.summary import page_scores
+    from engine.memory.kv.cache import KVCache
+    from engine.memory.kv.summary import page_scores
     from kernels import kv_write, quest
 
     calls = []

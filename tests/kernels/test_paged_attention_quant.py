@@ -1,7 +1,7 @@
 """Triton paged decode attention over quantized K/V pages (k8v8, k8v4, k4v4, rk4v4) against its twin, under the
 interpreter.
 
-The pages are one layer of a real `KVCache`, filled with `engine.kv.quant.quantize` (rk4v4: of the Hadamard-rotated
+The pages are one layer of a real `KVCache`, filled with `engine.memory.kv.quant.quantize` (rk4v4: of the Hadamard-rotated
 keys, queries rotated by `KVCache.rotate_queries`, as the engine does). Every page of the cache holds data, so rows
 past a context (stale slots of a last page, pages not in a list) would change the result if they were read.
 
@@ -15,8 +15,8 @@ gather); the Hadamard block is D for 64/128, 32 for 96 and 16 for 80.
 import pytest
 import torch
 
-from engine.kv import quant
-from engine.kv.cache import KVCache
+from engine.memory.kv import quant
+from engine.memory.kv.cache import KVCache
 from kernels.paged_attention import paged_decode_attention
 from kernels.reference import kv_dequantize_ref, paged_decode_attention_ref
 from tests.kernels.tolerances import assert_close
@@ -66,7 +66,7 @@ def run_both(cache, q, table, lens, scale=None, **kw):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("d", [64, 80, 96, 128])
 def test_twin_dequantize_is_the_engines(bits, d):
-    """kv_dequantize_ref == engine.kv.quant.dequantize bit for bit: on quantized rows and on every code pattern."""
+    """kv_dequantize_ref == engine.memory.kv.quant.dequantize bit for bit: on quantized rows and on every code pattern."""
     x = torch.randn(5, 64, 3, d) * torch.logspace(-3, 2, 5).view(5, 1, 1, 1)
     codes, s = quant.quantize(x, bits)
     assert torch.equal(kv_dequantize_ref(codes, s), quant.dequantize(codes, s, bits))

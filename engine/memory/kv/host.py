@@ -2,7 +2,7 @@
 
 A windowed sequence writes each of its pages through to the host once the page is full and computed, so that
 dropping the GPU copy later costs nothing; a page comes back to the GPU, one layer at a time, when the selection
-picks it (engine/kv/window.py). On a machine without a GPU both tiers are ordinary memory: the same code runs.
+picks it (engine/memory/kv/window.py). On a machine without a GPU both tiers are ordinary memory: the same code runs.
 The summaries live on the compute device, where the queries that score them are.
 """
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from engine.kv.cache import KVCache
-from engine.kv.pages import PagePool
-from engine.kv.summary import page_summary
+from engine.memory.kv.cache import KVCache
+from engine.memory.kv.pages import PagePool
+from engine.memory.kv.summary import page_summary
 
 
 class HostPool:

@@ -2,7 +2,7 @@
 
 Each page has a reference count: the number of running sequences whose page table lists it. A page is written only
 by the one sequence that allocated it, and only while it is that sequence's partial last page or beyond; once full
-and computed it may be registered in a prefix cache (engine.kv.prefix) and then shared read-only by later sequences.
+and computed it may be registered in a prefix cache (engine.memory.kv.prefix) and then shared read-only by later sequences.
 A page whose count drops to zero goes back to the free list, unless the prefix cache keeps it: then it stays cached
 (idle, evictable) until an allocation finds no free page and evicts it. A sequence's partial last page may be kept
 that way too when it is released (a "tail"): it is never shared again, only copied into other sequences' own pages. Idle cached pages count as available
@@ -13,11 +13,11 @@ from __future__ import annotations
 import heapq
 from typing import Protocol
 
-from engine.kv.table import PageList
+from engine.memory.kv.table import PageList
 
 
 class PageCache(Protocol):
-    """What the pool asks of a prefix cache (engine.kv.prefix.PrefixCache)."""
+    """What the pool asks of a prefix cache (engine.memory.kv.prefix.PrefixCache)."""
 
     num_idle: int  # cached pages that no sequence holds (evictable)
 
@@ -36,7 +36,7 @@ class PagePool:
         # CPU attention path reads as one view of the cache instead of gathering them (KVCache.gather)
         self._free: list[int] = list(range(num_pages))
         self._refs = [0] * num_pages
-        self.cache: PageCache | None = None  # set by engine.kv.prefix.PrefixCache when prefix reuse is on
+        self.cache: PageCache | None = None  # set by engine.memory.kv.prefix.PrefixCache when prefix reuse is on
 
     @property
     def num_free(self) -> int:
@@ -69,7 +69,7 @@ class PagePool:
 
     def allocate(self, num_pages: int) -> "PageList":
         """Fresh pages (count 1): free ones first, then idle cached pages, least recently used first; as a plain page
-        table (engine.kv.table.PageList)."""
+        table (engine.memory.kv.table.PageList)."""
         if num_pages > self.num_free:
             raise MemoryError(f"asked for {num_pages} KV pages, {self.num_free} free")
         pages = []

@@ -6,8 +6,8 @@ Logical page i of a sequence holds its tokens [64 i, 64 i + 64). A windowed sequ
 
 - page 0, the attention sink, stays on the GPU;
 - the window: the pages holding the last `window` tokens before this step, plus the pages this step writes;
-- staging pages: per layer, the `retrieve` older pages whose Quest bound (engine/kv/summary.py) is largest for
-  this step's queries, copied from the host tier (engine/kv/host.py).
+- staging pages: per layer, the `retrieve` older pages whose Quest bound (engine/memory/kv/summary.py) is largest for
+  this step's queries, copied from the host tier (engine/memory/kv/host.py).
 
 Each page is written through to the host when it is full and computed, so a page leaving the window is simply
 forgotten on the GPU.
@@ -21,8 +21,8 @@ to the host prefix store, and a sequence starts from a reused prefix only at a c
 still attends to the whole context (``reuse_depth``).
 
 Prefix reuse: a windowed sequence whose prompt starts with cached full pages starts from them (``preload``): pages
-cached on the GPU (engine/kv/prefix.py) are copied to its host pages (with their Quest summaries), pages in the host
-prefix store (engine/kv/hostprefix.py) are taken over as its host pages without a copy, and the sink and the pages
+cached on the GPU (engine/memory/kv/prefix.py) are copied to its host pages (with their Quest summaries), pages in the host
+prefix store (engine/memory/kv/hostprefix.py) are taken over as its host pages without a copy, and the sink and the pages
 the first window needs are copied to its GPU pages. When it ends, its exact written-through pages go to the host
 prefix store as they are. Keys carry RoPE, so for a decode step the order of pages does not matter; a step of several
 tokens (a prefill chunk, a verification step) sees sink and retrieved pages whole and the window causally.
@@ -32,11 +32,11 @@ from __future__ import annotations
 import logging
 import torch
 
-from engine.kv.cache import KVCache
-from engine.kv.host import HostPool
+from engine.memory.kv.cache import KVCache
+from engine.memory.kv.host import HostPool
 from engine.errors import NInferError
-from engine.kv.hostprefix import HostPrefixStore, copy_to_gpu
-from engine.kv.summary import page_summary, select_pages
+from engine.memory.kv.hostprefix import HostPrefixStore, copy_to_gpu
+from engine.memory.kv.summary import page_summary, select_pages
 from engine.memory.geometry import WindowSpec, sequence_reach, tier_problems
 from engine.model.batch import SeqSlice
 
@@ -50,7 +50,7 @@ class TieredPages(list):
     A step may compute several tokens (a prefill chunk, or a speculative verification step) and a sequence may give
     tokens back (rejected drafts): only pages entirely below the computed length are ever written through, and the
     slots past it are overwritten by later steps, so grow and shrink leave the table alone. (The page-table
-    interface: engine.kv.table.PageTable.)"""
+    interface: engine.memory.kv.table.PageTable.)"""
 
     windowed = True
 
@@ -100,7 +100,7 @@ class TieredPages(list):
         self.exact = k * ps  # reused at a depth reuse_depth allows, from pages exact where they came from
         return k * ps
 
-    # ---- the page-table interface (engine.kv.table.PageTable) ---------------------------------------------------
+    # ---- the page-table interface (engine.memory.kv.table.PageTable) ---------------------------------------------------
     def grow(self, pool, num_tokens: int) -> bool:
         return True  # its footprint holds every GPU page any step needs
 

@@ -1,7 +1,7 @@
 """A sequence's page table: where each of its positions' K/V lives in the paged cache.
 
 Two kinds answer the same questions: the plain page list below (logical page i is GPU page table[i]) and the
-windowed table of a sequence that runs on KV tiers (engine.kv.window.TieredPages). The runner, the scheduler's
+windowed table of a sequence that runs on KV tiers (engine.memory.kv.window.TieredPages). The runner, the scheduler's
 memory managers and the speculator call these methods and never ask which kind a table is."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engine.model.batch import SeqSlice
 
 
 class PageTable(Protocol):
-    """`pool` below is the engine.kv.pages.PagePool the table's pages come from."""
+    """`pool` below is the engine.memory.kv.pages.PagePool the table's pages come from."""
 
     windowed: bool  # KV tiers: a fixed GPU footprint, pages in no logical order
     evictions: int  # GPU pages it dropped from its window (0 for a plain list)

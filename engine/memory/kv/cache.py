@@ -1,4 +1,4 @@
-"""The KV tensors: per layer, keys and values stored in fixed-size pages, as floats or quantized (engine/kv/quant.py).
+"""The KV tensors: per layer, keys and values stored in fixed-size pages, as floats or quantized (engine/memory/kv/quant.py).
 
 Every tensor of a layer is shaped [num_pages, page_size, num_kv_heads, ...], so a page id means the same slots in
 all of them: page bookkeeping (allocation, prefix reuse, windows) never needs to know the number format."""
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.kv import quant
-from engine.kv.quant import kv_format
+from engine.memory.kv import quant
+from engine.memory.kv.quant import kv_format
 from engine.memory.geometry import PAGE_SIZE
 from kernels import dispatch
 

@@ -40,7 +40,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from engine.kv.pages import PagePool
+from engine.memory.kv.pages import PagePool
 
 log = logging.getLogger("ninfer.prefix")
 
@@ -113,7 +113,7 @@ class PrefixCache:
         self._progress: dict[int, _Progress] = {}  # id(sequence) -> its registration progress
         self._leaves = 0
         self.evicted_pages = 0
-        self.backing = None  # engine.kv.hostprefix.HostPrefixStore: evicted pages keep a host copy
+        self.backing = None  # engine.memory.kv.hostprefix.HostPrefixStore: evicted pages keep a host copy
         pool.cache = self
 
     @classmethod

@@ -1,13 +1,13 @@
 """Host-backed prefix reuse (--kv-reuse-hostbacked): cached prefix pages evicted from the GPU keep a copy in the
 host tier, and come back on a hit instead of being computed again.
 
-The store is the host page pool's cache (the PageCache protocol of engine/kv/pages.py): its pages are idle, count as
+The store is the host page pool's cache (the PageCache protocol of engine/memory/kv/pages.py): its pages are idle, count as
 free, and an allocation of host pages (a windowed sequence reserving its pages) evicts the least recently used ones
 first. So a stored prefix never takes host memory a sequence needs. Entries are keyed like the GPU prefix cache
-(engine/kv/prefix.py: a hash chained over the tokens of every page up to this one) and also keep their page's tokens
+(engine/memory/kv/prefix.py: a hash chained over the tokens of every page up to this one) and also keep their page's tokens
 and their parent's key, which a hit compares: a hash collision can only cost a miss.
 
-Windowed sequences (engine/kv/window.py) keep every full page on the host anyway: when one ends, its written-through
+Windowed sequences (engine/memory/kv/window.py) keep every full page on the host anyway: when one ends, its written-through
 pages whose KV a cold prefill of the same tokens computes alike (TieredPages.exact_pages) become stored pages as they
 are (``keep``, no copy), and a later windowed sequence with the same prefix takes them over as its own host pages (``PagePool.share`` -> ``pinned``: the store forgets them until that sequence ends
 and gives them back). Only full pages are stored: partial pages (GPU prefix-cache tails) are dropped on eviction.
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kv.cache import KVCache
-from engine.kv.host import HostPool
-from engine.kv.prefix import Entry, page_key
+from engine.memory.kv.cache import KVCache
+from engine.memory.kv.host import HostPool
+from engine.memory.kv.prefix import Entry, page_key
 
 log = logging.getLogger("ninfer.prefix")
 
