@@ -60,3 +60,21 @@ def engine_for():
     yield make
     for loaded in made:
         loaded.engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35(tmp_path_factory):
+    """tiny_qwen35(seed=0, **overrides) -> (transformers model, folder): the seeded, perturbed tiny Qwen3.5 hybrid
+    of tests/engine/qwen35_models.tiny_checkpoint, built and saved once per (seed, overrides) for the session. The
+    oracle and the folder are shared: a test reads them, and copies the folder before changing files in it."""
+    from tests.engine.qwen35_models import tiny_checkpoint
+
+    built: dict[tuple, tuple] = {}
+
+    def make(seed: int = 0, **overrides):
+        key = (seed, *sorted((k, repr(v)) for k, v in overrides.items()))
+        if key not in built:
+            built[key] = tiny_checkpoint(tmp_path_factory.mktemp(f"qwen35-{seed}") / "tiny-qwen35", seed, **overrides)
+        return built[key]
+
+    return make

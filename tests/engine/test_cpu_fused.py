@@ -140,10 +140,9 @@ def test_bad_operands_are_refused_with_a_reason(model):
         call(ctx=PAGE + 1)  # more context than its one page holds
 
 
-def test_a_hybrid_is_not_taken(tmp_path):
+def test_a_hybrid_is_not_taken(tiny_qwen35):
     """A Qwen3.5 hybrid (a LlamaModel subclass with gated-attention and GDN layers) keeps its own layers."""
-    from tests.engine.qwen35_models import tiny_checkpoint
-    _, path = tiny_checkpoint(tmp_path / "hybrid", seed=3)
+    _, path = tiny_qwen35(seed=3)
     hybrid = build_model(load_weights(path)[1], torch.float32, torch.device("cpu"), "int4")
     use_cpu_kernel(hybrid)
     assert "not a llama-family decoder" in cpu_fused.why_not(hybrid, None)

@@ -22,15 +22,15 @@ from engine.model.registry import build_model
 from engine.runner import ModelRunner, Work
 from engine.tools.bench.cli import decode_path
 from tests.engine.helpers import rel_err
-from tests.engine.qwen35_models import VOCAB, tiny_checkpoint
+from tests.engine.qwen35_models import VOCAB
 
 PAGE = 16
 pytestmark = pytest.mark.usefixtures("cpp_kernels")  # built on first use, not at collection
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35", seed=0)
+def checkpoint(tiny_qwen35):
+    return tiny_qwen35(seed=0)
 
 
 def build(folder, fmt: str = "", dtype=torch.float32, state_fp16: bool = False, marked: bool = True):

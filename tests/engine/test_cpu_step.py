@@ -17,7 +17,7 @@ from engine.model.registry import build_model
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams
 from tests.engine.helpers import hf_greedy, rel_err, tiny_hf_model
-from tests.engine.qwen35_models import tiny_checkpoint
+
 
 PAGE = 64
 NUM_PAGES = 8
@@ -29,12 +29,12 @@ def runner_for(model, cpu_step: bool) -> ModelRunner:
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen35", "qwen3-int4"])
-def case(request, tmp_path_factory):
+def case(request, tmp_path_factory, tiny_qwen35):
     """(transformers model, our model, a runner with the compiled step, one without). qwen3-int4: the weights in
     int4, whose kernels fill lazy caches on their first call (the oracle is then the eager path alone)."""
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "qwen35":
-        hf, path = tiny_checkpoint(folder / "tiny", seed=3)
+        hf, path = tiny_qwen35(seed=3)
     else:
         hf, path = tiny_hf_model("qwen3", folder, seed=3)
     low_bit = request.param.endswith("int4")

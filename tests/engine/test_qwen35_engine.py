@@ -13,14 +13,14 @@ from engine.model.registry import build_model
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 from tests.engine.helpers import abort_storm, run_concurrently, wait_idle
-from tests.engine.qwen35_models import VOCAB, tiny_checkpoint
+from tests.engine.qwen35_models import VOCAB
 
 PAGE = 64
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35", seed=1)
+def checkpoint(tiny_qwen35):
+    return tiny_qwen35(seed=1)
 
 
 @pytest.fixture(scope="module")
