@@ -11,7 +11,7 @@ from engine.memory.kv.table import PageTable
 from engine.memory.build import allocate
 from engine.memory.geometry import PAGE_SIZE, pads
 from engine.memory.state import SeqState
-from engine.model.batch import ForwardBatch
+from engine.batch import ForwardBatch
 from engine.model.cpu_hybrid import make as cpu_fused_step
 from engine.model.cpu_step import CompiledStep
 from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine.model.batch import DecodeTable, ForwardBatch
+from engine.batch import DecodeTable, ForwardBatch
 
 log = logging.getLogger("ninfer.model")
 

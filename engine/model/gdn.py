@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.memory.specs import gated_delta_spec
-from engine.model.batch import ForwardBatch
+from engine.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.layers import rms_norm, silu_and_mul
 from engine.model.linear import Linear, fuse

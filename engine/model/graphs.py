@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import NInferError
-from engine.model.batch import DecodeTable, ForwardBatch
+from engine.batch import DecodeTable, ForwardBatch
 from kernels import dispatch
 
 log = logging.getLogger("ninfer.graphs")

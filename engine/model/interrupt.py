@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from engine.model.batch import ForwardBatch
+from engine.batch import ForwardBatch
 
 
 class Interrupt:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
-from engine.model.batch import ForwardBatch
+from engine.batch import ForwardBatch
 from kernels import cpu_native, dispatch
 
 

@@ -5,7 +5,7 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.memory.specs import AttentionSpec
-from engine.model.batch import ForwardBatch
+from engine.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.head import embed_rows, output_layer
 from engine.model.interrupt import Interrupt

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine.memory.specs import AttentionSpec
-from engine.model.batch import ForwardBatch
+from engine.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn import GDNLayer, gdn_shapes
 from engine.model.layers import Rotary, paged_attention, rms_norm, silu_and_mul

@@ -11,7 +11,7 @@ from engine.memory.kv import quant
 from engine.memory.kv.cache import KVCache
 from engine.memory.kv.quant import QUANT_KV_DTYPES, kv_format
 from engine.memory.geometry import KV_LAYOUTS, PAGE_SIZE
-from engine.model.batch import ForwardBatch, SeqSlice
+from engine.batch import ForwardBatch, SeqSlice
 from engine.model.layers import paged_attention
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams

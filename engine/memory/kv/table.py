@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from engine.model.batch import SeqSlice
+from engine.batch import SeqSlice
 
 
 class PageTable(Protocol):

@@ -38,7 +38,7 @@ from engine.errors import NInferError
 from engine.memory.kv.hostprefix import HostPrefixStore, copy_to_gpu
 from engine.memory.kv.summary import page_summary, select_pages
 from engine.memory.geometry import WindowSpec, sequence_reach, tier_problems
-from engine.model.batch import SeqSlice
+from engine.batch import SeqSlice
 
 log = logging.getLogger("ninfer.kvmem")
 
