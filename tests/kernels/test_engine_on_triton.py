@@ -60,7 +60,8 @@ def test_quantized_kv_decode_runs_the_quantized_kernel(tmp_path, monkeypatch, kv
     real = paged_attention.paged_decode_attention
     monkeypatch.setattr(paged_attention, "paged_decode_attention",
                         lambda *a, **k: calls.append(k.get("k_scale") is not None) or real(*a, **k))
-    prompt = torch.randint(0, 512, (70,)).tolist()  # the decode steps run over a second page
+    # the decode steps run over a second page
+    prompt = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(0)).tolist()
     ours, ours_logits = greedy(ModelRunner(our_model(folder), 8, kv_dtype, 64), prompt, 4, batch=3)
     assert len(calls) == 4 * 2 and all(calls)  # steps x layers (the three rows in one call), every one with scales
     monkeypatch.setenv("NINFER_NO_TRITON", "1")
@@ -69,7 +70,12 @@ def test_quantized_kv_decode_runs_the_quantized_kernel(tmp_path, monkeypatch, kv
     assert not calls
     assert ours == ref
     err = (ours_logits - ref_logits).norm() / ref_logits.norm()
-    assert err < 1e-5, err
+    # The two paths write the same codes from inputs that differ in float rounding (the kernels' sums run in another
+    # order), so a value that lies at a rounding boundary of the format can get the neighbouring code: one step of
+    # it, absmax/7.5 of the group for int4. Measured over seeded prompts: no flip, 0.6e-6 to 1e-6 (fp32 pages:
+    # 1.1e-6); with flips up to 1.1e-4 (k8v4, 30 prompts) and 6.4e-4 (rk4v4, 12 prompts). A kernel that reads one
+    # token short is 0.14 to 0.73 away.
+    assert err < 2e-3, err
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, "k8v4"], ids=["fp32", "k8v4"])
