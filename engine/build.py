@@ -27,8 +27,8 @@ from engine.model.registry import build_model
 from engine.model.loader import load_weights
 from engine.model.weights import Progress
 from engine.runner import ModelRunner
-from engine.spec.factory import make_speculator
-from engine.spec.mtp import is_mtp_tensor
+from engine.speculative.factory import make_speculator
+from engine.speculative.mtp import is_mtp_tensor
 from engine.tokenizer import Tokenizer
 from kernels import cpu_native
 

@@ -19,7 +19,7 @@ from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams, sample_token
 from engine.scheduler import Scheduler
 from engine.sequence import RequestOutput, Sequence, Status, TokenLogprob
-from engine.spec import Speculator, verify
+from engine.speculative import Speculator, verify
 from engine.stream import RequestStream
 
 log = logging.getLogger("ninfer.engine")
@@ -60,7 +60,7 @@ class Engine:
         self.scheduler = Scheduler(self.memory, max_concurrency, prefill_chunk)
         self.max_context = c.max_context
         self.eos_ids = eos_ids
-        self.speculator = speculator  # speculative decoding (engine.spec), or None
+        self.speculator = speculator  # speculative decoding (engine.speculative), or None
         self._commands: queue.Queue = queue.Queue()
         self._abort_requested: set[str] = set()  # request ids; the running step checks them between its layers
         self._streams: dict[str, RequestStream] = {}

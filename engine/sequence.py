@@ -60,7 +60,7 @@ class Sequence:
     first_token_at: float | None = None
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache at its first admission
     generator: torch.Generator = field(init=False)
-    spec: object | None = None  # engine.spec.speculator.SpecState while speculative decoding runs
+    spec: object | None = None  # engine.speculative.speculator.SpecState while speculative decoding runs
 
     def __post_init__(self):
         self.tokens = list(self.prompt)

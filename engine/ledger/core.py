@@ -218,7 +218,7 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
             draft_bytes = draft.weight_bytes(wdtype)
             draft_page_bytes = draft.kv_bytes_per_token(kv_dtype) * PAGE_SIZE
             draft_name = f"draft model {draft.name}"
-            # a hybrid drafter: a state slot and a checkpoint per sequence (engine/spec/draft.py)
+            # a hybrid drafter: a state slot and a checkpoint per sequence (engine/speculative/draft.py)
             draft_state = draft.on_device(on_gpu, wdtype).state_bytes() * 2 * int(s["max_concurrency"])
             if draft_state:
                 draft_bytes += draft_state

@@ -17,7 +17,7 @@ qwen35 (Qwen3.5 dense Gated-DeltaNet hybrids; the converter's Qwen3.5 text model
   (i + 1) % `{arch}.full_attention_interval` (default 4) == 0;
 - MTP: `{arch}.block_count` counts the `{arch}.nextn_predict_layers` MTP blocks appended after the main layers; the
   first holds blk.{L}.nextn.{eh_proj, enorm, hnorm, shared_head_norm} beside a full-attention layer's tensors. They
-  load under the mtp.* names of HF checkpoints (engine/spec/mtp.py)."""
+  load under the mtp.* names of HF checkpoints (engine/speculative/mtp.py)."""
 from __future__ import annotations
 
 import numpy as np

@@ -81,7 +81,7 @@ class LlamaModel:
         self.ordinals = cfg.kind_ordinals()
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, weights.tensors.get("rope_freqs"),
                              device)
-        self.keep_hidden = False  # set by MTP drafting (engine.spec.mtp), which reads every token's last hidden state
+        self.keep_hidden = False  # set by MTP drafting (engine.speculative.mtp): it reads every last hidden state
         self.hidden: torch.Tensor | None = None  # then: [T, hidden] before the final norm, for the last batch
 
     @classmethod
@@ -125,7 +125,7 @@ class LlamaModel:
         self.layer_shapes(kind, cfg, prefix)  # refuses a kind this model has no layer for
         return DecoderLayer(cfg, w, prefix)
 
-    # ---- the checkpoint's multi-token-prediction (MTP) block, built by engine/spec/mtp.py --------------------------
+    # ---- the checkpoint's multi-token-prediction (MTP) block, built by engine/speculative/mtp.py -----------------
     mtp_reads_normed_hidden = False  # MTP reads the last hidden state before the final norm, and chains its own
 
     def mtp_norm(self, w: torch.Tensor) -> torch.Tensor:

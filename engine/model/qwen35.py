@@ -90,8 +90,8 @@ class Qwen35Model(LlamaModel):
             return GDNLayer(cfg, w, prefix, str(self.dtype).removeprefix("torch."), self.state_dtype)
         return GatedAttentionLayer(cfg, w, prefix)
 
-    # ---- MTP (engine/spec/mtp.py): as vLLM's Qwen3.5 MTP, every norm of the block is zero-centred (1 + w), and it
-    # reads the model's hidden state after the final norm and chains its own output after mtp.norm
+    # ---- MTP (engine/speculative/mtp.py): as vLLM's Qwen3.5 MTP, every norm of the block is zero-centred (1 + w),
+    # and it reads the model's hidden state after the final norm and chains its own output after mtp.norm
     mtp_reads_normed_hidden = True
 
     def mtp_norm(self, w: torch.Tensor) -> torch.Tensor:

@@ -194,8 +194,8 @@ class _MTPLike:
 def test_speculative_decoding_on_a_windowed_sequence_is_lossless(tiny, length, window, n):
     """ngram drafts verified on the windowed path (steps of several tokens, rejected tokens rolled back): greedy
     output equals the full cache's without speculation; also for a sequence that outgrows the window mid-decode."""
-    from engine.spec import Speculator
-    from engine.spec.ngram import NgramProposer
+    from engine.speculative import Speculator
+    from engine.speculative.ngram import NgramProposer
 
     base, motif = _prompt(length, seed=50), _prompt(6, seed=0)
     # a motif every 20 tokens: the proposer finds drafts, and the random model rejects some of them

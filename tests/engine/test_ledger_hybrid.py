@@ -87,7 +87,7 @@ def test_the_ledger_of_a_folder_counts_what_the_engine_allocates(folders, layout
 
 def test_a_hybrid_draft_model_counts_its_state_slots_as_the_engine_allocates(folders):
     """--spec draft with a hybrid drafter: the draft line holds its weights plus two state slots per sequence (its
-    state and the checkpoint a rejection restores, engine/spec/draft.py), as many as the engine allocates."""
+    state and the checkpoint a rejection restores, engine/speculative/draft.py), as many as the engine allocates."""
     target = drafter = folders["flat"]
     settings = dict(spec="draft", draft_model=str(drafter), draft_tokens=3, max_concurrency=2, max_context=512)
     loaded = build_engine(target, device="cpu", kv_capacity=1024, **settings)

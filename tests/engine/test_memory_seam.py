@@ -12,8 +12,8 @@ import torch
 from engine.engine import Engine
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams
-from engine.spec.ngram import NgramProposer
-from engine.spec.speculator import Speculator
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.speculator import Speculator
 from tests.engine.helpers import abort_storm, collect, rel_err, run_concurrently, wait_idle
 from tests.engine.recurrent_model import KINDS, RecurrentTestModel, hybrid_weights, reference_logits
 

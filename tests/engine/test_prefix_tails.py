@@ -178,8 +178,8 @@ def test_aborts_preemption_and_speculative_rejections_keep_every_page_and_every_
     the greedy requests that ran to the end answer as an engine without reuse and without speculation."""
     from engine.engine import Engine
     from engine.runner import ModelRunner
-    from engine.spec import Speculator
-    from engine.spec.ngram import NgramProposer
+    from engine.speculative import Speculator
+    from engine.speculative.ngram import NgramProposer
     from tests.engine.test_prefix import CheckedRunner
 
     rng, nrng = random.Random(5), np.random.default_rng(5)

@@ -12,9 +12,9 @@ import torch
 from engine.build import build_engine
 from engine.errors import NInferError
 from engine.sampling import SamplingParams
-from engine.spec.draft import TokenizerMismatchError
-from engine.spec.ngram import NgramIndex
-from engine.spec.adaptive import PAUSE_STEPS, SpecState, StepCosts, best_length, expected_tokens
+from engine.speculative.draft import TokenizerMismatchError
+from engine.speculative.ngram import NgramIndex
+from engine.speculative.adaptive import PAUSE_STEPS, SpecState, StepCosts, best_length, expected_tokens
 from tests.engine.spec_models import add_mtp, swap_tokenizer_ids, tiny_folder
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(2, 60)), [9, 40, 3, 9, 40, 3, 77] * 3]
@@ -429,8 +429,8 @@ def ngram_engine(default_fp32_engine):
     """An ngram-speculating engine over the default engine's weights (its own KV pages)."""
     from engine.engine import Engine
     from engine.runner import ModelRunner
-    from engine.spec import Speculator
-    from engine.spec.ngram import NgramProposer
+    from engine.speculative import Speculator
+    from engine.speculative.ngram import NgramProposer
 
     base = default_fp32_engine.engine
     runner = ModelRunner(base.runner.model, 40, base.runner.kv.kv_dtype, base.runner.page_size)
@@ -497,7 +497,7 @@ def test_ngram_under_a_json_schema_keeps_the_output(default_fp32_engine, ngram_e
 def test_a_plain_step_is_timed_first_and_then_now_and_again():
     """Single-sequence decoding: until a one-token step has been timed (and again every BASE_EVERY speculative
     steps) the speculator leaves the step plain, so that c(k) is measured, not assumed."""
-    from engine.spec.adaptive import BASE_EVERY
+    from engine.speculative.adaptive import BASE_EVERY
 
     costs = StepCosts()
     assert costs.needs_base

@@ -17,7 +17,7 @@ from engine.ledger.common import DEFAULT_DRAFT_TOKENS
 from engine.memory.state import SeqState
 from engine.runner import ModelRunner, Work
 from engine.sequence import Sequence
-from engine.spec.heads import draft_head, greedy_tokens
+from engine.speculative.heads import draft_head, greedy_tokens
 
 
 class TokenizerMismatchError(NInferError):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from engine.memory.manager import MemoryManager
 from engine.sequence import Sequence
-from engine.spec.adaptive import SpecState, StepCosts, best_length
+from engine.speculative.adaptive import SpecState, StepCosts, best_length
 
 class Speculator:
-    """Wraps a proposer (engine.spec.ngram / draft / mtp) with `--draft-tokens` as the ceiling of each sequence's
-    draft length (engine.spec.adaptive picks the length; `adaptive` off keeps it at the ceiling)."""
+    """Wraps a proposer (engine.speculative.ngram / draft / mtp) with `--draft-tokens` as the ceiling of each sequence's
+    draft length (engine.speculative.adaptive picks the length; `adaptive` off keeps it at the ceiling)."""
 
     def __init__(self, proposer, max_draft: int = 0, adaptive: bool = True):
         self.proposer = proposer

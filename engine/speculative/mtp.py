@@ -30,7 +30,7 @@ from engine.model.layers import rms_norm
 from engine.model.linear import Linear
 from engine.runner import ModelRunner, Work
 from engine.sequence import Sequence
-from engine.spec.heads import draft_head, greedy_tokens
+from engine.speculative.heads import draft_head, greedy_tokens
 
 
 @dataclass

@@ -9,10 +9,10 @@ from engine.model.formats import pick_kv_dtype, weight_format
 from engine.model.linear import LOW_BIT
 from engine.model.loader import load_weights
 from engine.model.registry import build_model
-from engine.spec.draft import DraftModelProposer, check_same_tokenizer
-from engine.spec.mtp import MTPProposer, find_mtp
-from engine.spec.ngram import NgramProposer
-from engine.spec.speculator import Speculator
+from engine.speculative.draft import DraftModelProposer, check_same_tokenizer
+from engine.speculative.mtp import MTPProposer, find_mtp
+from engine.speculative.ngram import NgramProposer
+from engine.speculative.speculator import Speculator
 from engine.tokenizer import Tokenizer
 
 METHODS = ("none", "ngram", "draft", "mtp")
