@@ -23,7 +23,7 @@ CHECKS = ("needle", "count", "kld", "code", "agent")
 def configuration_flags(settings) -> list[str]:
     """The ninfer-serve flags that give `settings`' model and engine settings where they differ from the defaults
     (server and sampling settings do not change what a check measures): how the panel names a configuration."""
-    from engine.settings_table import SETTINGS
+    from engine.config.table import SETTINGS
 
     flags: list[str] = []
     for s in SETTINGS:

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any, Mapping
 
-from engine.config import ConfigError, build_parser
+from engine.config.loading import ConfigError, build_parser
 
 HEADLESS_PLATFORMS = ("offscreen", "minimal", "vnc", "eglfs", "linuxfb")
 

@@ -1,4 +1,4 @@
-"""The launcher's settings editor, generated from the one settings schema (engine/settings_table.py).
+"""The launcher's settings editor, generated from the one settings schema (engine/config/table.py).
 
 Each setting's ``type``, ``choices``, ``minimum`` and ``maximum`` pick its widget; its ``help`` is the tooltip.
 Numbers that also take ``auto`` or may be unset show that as the spin box's lowest entry. Fields are labelled in
@@ -14,7 +14,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
                                QLineEdit, QSpinBox, QToolButton, QVBoxLayout, QWidget)
 
-from engine.settings_table import Setting, show_value
+from engine.config.table import Setting, show_value
 
 from app.settings_model import FORM_SETTINGS, MAIN_SETTINGS, defaults
 from app.widgets import guard_wheel

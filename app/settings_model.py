@@ -6,7 +6,7 @@ that differ from the preset (or default), so a problem keeps naming where its va
 ``app`` for the form, ``env:NINFER_PORT``). Environment variables win over the form, as they win over a config file
 for ``ninfer-serve``; the launcher lists each one that does, so nothing changes silently.
 
-The merge is ``engine.config.load_settings`` itself, through its public interface: the preset is ``--preset``, the
+The merge is ``engine.config.loading.load_settings`` itself, through its public interface: the preset is ``--preset``, the
 form is a config file (``--config``, the layer between the preset and the environment; a private temporary file,
 written fresh for each check) and the environment is the environment. Secret values (the API key) never go to that
 file: they join the environment given to load_settings, unless the real environment sets them already.
@@ -27,8 +27,8 @@ from typing import Any, Mapping
 
 # load_settings itself merges and checks (layers, coercion, availability, combinations), so the launcher and
 # ninfer-serve can never disagree about what is valid.
-from engine.config import PRESET_DIR, ConfigError, Settings, load_settings
-from engine.settings_table import SETTINGS, Setting, show_value
+from engine.config.loading import PRESET_DIR, ConfigError, Settings, load_settings
+from engine.config.table import SETTINGS, Setting, show_value
 
 from app import paths
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.settings_table import SETTINGS, Setting
+from engine.config.table import SETTINGS, Setting
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 BY_FLAG: dict[str, Setting] = {s.flag: s for s in SETTINGS}

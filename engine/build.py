@@ -14,7 +14,7 @@ import torch
 
 from engine import selfcheck
 from engine.engine import Engine
-from engine.engine_config import EngineConfig
+from engine.config.engine_config import EngineConfig
 from engine.hardware import resolve_device
 from engine.errors import NInferError
 from engine.memory.geometry import PAGE_SIZE, state_slots, state_snapshots
@@ -222,7 +222,7 @@ def assemble_engine(model: LoadedModel, config: EngineConfig | None = None, **se
 def build_engine(model: str | Path | None = None, config: EngineConfig | None = None, *,
                  progress: Progress | None = None, cancel: threading.Event | None = None,
                  **settings: Any) -> LoadedEngine:
-    """Loads the model and builds its engine under `config` (engine/engine_config.py; keyword `settings` change
+    """Loads the model and builds its engine under `config` (engine/config/engine_config.py; keyword `settings` change
     single fields of it, e.g. build_engine(path, max_context=1024)): load_model, then assemble_engine."""
     c = (config or EngineConfig()).replace(**settings)
     loaded = load_model(model, c, progress=progress, cancel=cancel)

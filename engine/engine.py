@@ -11,7 +11,7 @@ import uuid
 import torch
 
 from engine.constrain import ConstraintError
-from engine.engine_config import EngineConfig
+from engine.config.engine_config import EngineConfig
 from engine.errors import NInferError
 from engine.memory.kv.window import tier_stats
 from engine.memory.build import assemble
@@ -43,7 +43,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, *,
                  eos_ids: frozenset[int] = frozenset(), speculator: Speculator | None = None,
                  state_snapshots: int = 0, **settings):
-        """`config` (engine/engine_config.py; keyword `settings` change single fields of it): the Engine reads
+        """`config` (engine/config/engine_config.py; keyword `settings` change single fields of it): the Engine reads
         max_context (the longest sequence, resolved: not 0), max_concurrency, max_queue, prefill_chunk, the prefix
         and KV-tier settings. `state_snapshots`: recurrent-state snapshots kept for prefix reuse (models with
         recurrent layers; engine/memory/state.py)."""

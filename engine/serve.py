@@ -6,8 +6,8 @@ import sys
 import threading
 from pathlib import Path
 
-from engine.config import ConfigError, Settings, format_settings, is_loopback, load_settings
-from engine.engine_config import EngineConfig
+from engine.config.loading import ConfigError, Settings, format_settings, is_loopback, load_settings
+from engine.config.engine_config import EngineConfig
 from engine.errors import NInferError
 
 log = logging.getLogger("ninfer.serve")
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     for w in warnings:
         print(f"ninfer-serve: warning: {w}", file=sys.stderr)
     if settings.print_config:
-        print(format_settings(settings))
+        from engine.ledger import ModelShape
+        print(format_settings(settings, model_shape=lambda: ModelShape.from_path(settings.model)))
         return 0
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.insecure_no_auth and settings.api_key is None and not is_loopback(settings.host):

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.config import Settings, is_loopback
+from engine.config.loading import Settings, is_loopback
 from engine.errors import NInferError
-from engine.engine_config import EngineConfig
+from engine.config.engine_config import EngineConfig
 from engine.serve import served_model_ids
 
 log = logging.getLogger("ninfer.service")

@@ -39,7 +39,7 @@ def engine_for():
     end of the session are shut down. Two engines over one model run one at a time (tests run one at a time).
     A test that changes the model itself (marks its layers, say) asks for `own_model=True`: a model of its own."""
     from engine.build import MODEL_FIELDS, assemble_engine, load_model
-    from engine.engine_config import EngineConfig
+    from engine.config.engine_config import EngineConfig
     from engine.hardware import resolve_device
 
     models: dict[tuple, object] = {}

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from engine.errors import NInferError
-from engine.settings_table import SETTINGS
+from engine.config.table import SETTINGS
 from engine.ledger.common import PAGE_SIZE, SYNTHETIC_NAMES, WEIGHT_BITS
 from engine.memory.geometry import KVLayout, KV_DTYPES, KV_LAYOUTS, resolve_kv_dtype
 from engine.ledger.shapes import LinearAttention, ModelShape

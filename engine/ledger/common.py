@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.memory.dtypes import FLOAT_FORMATS
 from engine.memory.geometry import PAGE_SIZE, ceil_div as _ceil_div  # noqa: F401
-from engine.settings_table import SETTINGS
+from engine.config.table import SETTINGS
 
 
 MIB = 2**20

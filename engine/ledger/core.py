@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping
 
 from engine.errors import NInferError
-from engine.engine_config import EngineConfig
+from engine.config.engine_config import EngineConfig
 from engine.memory.geometry import WindowSpec, pads, sequence_reach, state_slots, state_snapshots
 from engine.ledger.common import (
     ACTIVATION_BYTES_PER_HIDDEN, CPU_KV_RAM_FRACTION, DEFAULT_DRAFT_TOKENS, DFLASH2_DRAFT_BYTES, GIB,

@@ -1,1 +1,3 @@
-"""A sequence's memory across layer kinds: attention pages and recurrent state (manager.py is the entry)."""
+"""A sequence's memory across layer kinds: what each layer keeps (specs.py), the pools and an engine's memory built
+from them (build.py), the KV cache and its pages (kv/), the recurrent state (state.py), and the one manager the
+scheduler asks (manager.py)."""

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.engine_config import EngineConfig
 from engine.memory.kv.cache import KVCache
 from engine.memory.kv.host import HostPool
 from engine.memory.kv.pages import PagePool
@@ -67,11 +66,12 @@ class EngineMemory:
     reach_what: str  # what sets the reach, for error messages
 
 
-def assemble(pools: Pools, config: EngineConfig, *, speculative: bool = False,
+def assemble(pools: Pools, config, *, speculative: bool = False,
              state_snapshots: int = 0) -> EngineMemory:
-    """The memory an engine runs with on `pools` under `config`'s prefix and KV-tier settings (`speculative`: a
-    speculator that needs the target's hidden states; `state_snapshots`: recurrent-state snapshots kept for prefix
-    reuse). Raises NInferError for a tier combination that cannot work, naming the remedy. The prefix cache lives
+    """The memory an engine runs with on `pools` under the prefix and KV-tier settings of `config` (the engine's
+    EngineConfig, engine/config/engine_config.py, read by name: the settings check themselves with memory's numbers,
+    so memory does not import them). `speculative`: a speculator that needs the target's hidden states;
+    `state_snapshots`: recurrent-state snapshots kept for prefix reuse. Raises NInferError for a tier combination that cannot work, naming the remedy. The prefix cache lives
     with the page pool, i.e. with the model: a later engine over the same pools keeps it."""
     c = config
     prefix = PrefixCache.for_pool(pools.pages, resolve_max_shared_prefixes(c.max_shared_prefixes,

@@ -148,7 +148,7 @@ class TierProblem:
 
 
 def tier_problems(v: Mapping[str, Any]) -> list[TierProblem]:
-    """Every rule on the KV-tier settings, in one place: engine.config reports them all before anything loads
+    """Every rule on the KV-tier settings, in one place: engine.config.loading reports them all before anything loads
     (`kv_capacity` an int or "auto"), and the engine checks the same rules on the pools it built (`kv_capacity`
     their tokens, `max_context` 0, `host_kv_mib` 1 where a host tier exists)."""
     out: list[TierProblem] = []

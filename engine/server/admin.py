@@ -14,7 +14,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.config import BY_NAME, ConfigError, settings_from_mapping
+from engine.config.loading import BY_NAME, ConfigError, settings_from_mapping
 from engine.server.errors import APIError, invalid_text_at, invalid_text_message, json_type, shown
 from engine.server.schemas import INT32_MAX
 from engine.server.state import ServerState

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
 
-from engine.config import is_loopback
+from engine.config.loading import is_loopback
 from engine.server.errors import body_for, shown
 
 PUBLIC_PATHS = frozenset({"/health"})  # answered without the API key (GET and HEAD)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
-from engine.config import Settings, sampling_defaults
+from engine.config.loading import Settings, sampling_defaults
 from engine.metrics import Metrics
 from engine.server.errors import APIError, shown
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.engine_config import EngineConfig
+from engine.config.engine_config import EngineConfig
 from engine.errors import NInferError
 from engine.model.formats import pick_kv_dtype, weight_format
 from engine.model.linear import LOW_BIT

@@ -6,7 +6,7 @@ import httpx
 import pytest
 import uvicorn
 
-from engine.config import load_settings
+from engine.config.loading import load_settings
 from engine.server.app import create_app
 from engine.server.state import ServerState
 

@@ -2,7 +2,7 @@
 wants (e.g. a tool call), so parsing and streaming are tested deterministically."""
 from types import SimpleNamespace
 
-from engine.config import load_settings
+from engine.config.loading import load_settings
 from engine.sequence import RequestOutput
 from engine.server.state import ServerState
 from engine.stream import RequestStream

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from engine.config import load_settings
+from engine.config.loading import load_settings
 from engine.server.app import create_app
 from engine.server.state import ServerState
 

@@ -6,7 +6,7 @@ import anthropic
 import httpx
 import pytest
 
-from engine.config import load_settings
+from engine.config.loading import load_settings
 from engine.engine import QueueFullError
 from engine.server.state import ServerState
 from tests.api.conftest import RunningServer

@@ -5,7 +5,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.config import settings_from_mapping
+from engine.config.loading import settings_from_mapping
 from engine.metrics import Metrics
 from engine.server.state import ServerState
 from tests.api.conftest import RunningServer, wait_idle

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis import GenerationMode
 from starlette.testclient import TestClient
 
-from engine.config import load_settings
+from engine.config.loading import load_settings
 from engine.model.default import default_model_path
 from engine.server.app import create_app
 from engine.server.errors import is_anthropic

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from engine.config import ConfigError, format_settings, is_loopback, load_settings, settings_from_mapping
+from engine.config.loading import ConfigError, format_settings, is_loopback, load_settings, settings_from_mapping
 from engine.server.security import host_name
 from engine.server.state import ServerState
 from tests.api.conftest import RunningServer

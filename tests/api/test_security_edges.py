@@ -2,7 +2,7 @@
 loopback, and a refused CORS preflight in the API's error shape."""
 import pytest
 
-from engine.config import is_loopback, load_settings
+from engine.config.loading import is_loopback, load_settings
 from engine.server.security import host_name
 from tests.api.test_security import PREFLIGHT, assert_error, serving
 

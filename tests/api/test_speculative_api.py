@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from engine.build import build_engine
-from engine.config import load_settings
+from engine.config.loading import load_settings
 from engine.server.state import ServerState
 from tests.api.conftest import RunningServer, wait_idle
 from tests.engine.spec_models import tiny_folder

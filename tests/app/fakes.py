@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from engine.config import is_loopback
+from engine.config.loading import is_loopback
 from engine.errors import NInferError
 from engine.service import bind_socket
 

@@ -141,7 +141,7 @@ def test_a_configuration_is_named_by_the_flags_that_give_it():
     """configuration_flags: the model and engine settings that differ from the defaults, as ninfer-serve flags that
     load back to the same values; server and sampling settings are left out (they do not change a check)."""
     from app.eval_reports import configuration_flags
-    from engine.config import load_settings
+    from engine.config.loading import load_settings
 
     given = ["--model", "m.gguf", "--kv-dtype", "k8v4", "--kv-window", "4096", "--kv-retrieve", "4096",
              "--host-kv-mib", "2048", "--prefill-cublas", "--spec", "ngram", "--port", "9001", "--temperature", "0.3"]

@@ -214,7 +214,7 @@ def test_closing_the_launcher_with_nothing_running_quits(launcher):
 
 
 def test_settings_tooltips_come_from_the_schema(launcher):
-    from engine.settings_table import SETTINGS
+    from engine.config.table import SETTINGS
     w = launcher
     for s in SETTINGS:
         if s.name not in w.form.rows:

@@ -273,7 +273,7 @@ def test_ninfer_arguments_fill_the_form():
     args, values, _ = parse(["--model", "x.gguf", "--start", "--port", "9003", "--max-context", "4096", "--greedy"])
     assert args.model == "x.gguf" and args.start
     assert values == {"port": 9003, "max_context": "4096", "greedy": True}
-    from engine.config import ConfigError
+    from engine.config.loading import ConfigError
     with pytest.raises(ConfigError):
         parse(["--no-such-flag"])
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from engine.config import settings_from_mapping
+from engine.config.loading import settings_from_mapping
 from engine.errors import ModelLoadError, NInferError
 from engine.service import CANCELLED, STOPPED, LocalService, PortInUseError, connect_host
 from tests.api.test_unreadable_requests import raw_exchange

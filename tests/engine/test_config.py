@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import config
-from engine.config import (
+from engine.config import loading as config
+from engine.config.loading import (
     GROUPS, SETTINGS, ConfigError, Settings, build_parser, format_settings, load_settings, markdown_table,
     sampling_defaults, settings_from_mapping,
 )
@@ -487,13 +487,13 @@ def test_docs_table_is_generated_from_the_schema():
     start, end = "<!-- settings-table:start -->\n", "\n<!-- settings-table:end -->"
     assert start in text and end in text
     table = text.split(start, 1)[1].split(end, 1)[0]
-    assert table == markdown_table(), "docs/CONFIG.md is out of date: regenerate it with `python -m engine.config`"
+    assert table == markdown_table(), "docs/CONFIG.md is out of date: regenerate it with `python -m engine.config.loading`"
     for s in SETTINGS:
         assert f"| `{s.name}` | `{s.flag}`" in table and f"`{s.env}`" in table
 
 
 def test_huge_integer_for_a_float_setting_is_a_problem_not_a_crash():
-    from engine.config import ConfigError, settings_from_mapping
+    from engine.config.loading import ConfigError, settings_from_mapping
     with pytest.raises(ConfigError) as e:
         settings_from_mapping({"temperature": 10**400}, "app")
     assert "temperature" in str(e.value)
@@ -579,5 +579,8 @@ def test_print_config_counts_the_host_tier_pages_for_the_model():
     64-token page is 1.41 MiB and 256 MiB of host KV hold 182 pages = 11,648 tokens."""
     settings, _ = load_settings(["--kv-window", "512", "--kv-retrieve", "512", "--host-kv-mib", "256",
                                  "--kv-dtype", "fp16"], {})
-    row = next(line for line in config.format_settings(settings).splitlines() if line.startswith("host_kv_mib "))
+    from engine.ledger import ModelShape
+
+    table = config.format_settings(settings, model_shape=lambda: ModelShape.from_path(settings.model))
+    row = next(line for line in table.splitlines() if line.startswith("host_kv_mib "))
     assert "182 pages of 1.41 MiB (fp16" in row and "reaches 11648 tokens" in row

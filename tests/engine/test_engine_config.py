@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from engine.config import load_settings
-from engine.engine_config import EngineConfig
-from engine.settings_table import SETTINGS
+from engine.config.loading import load_settings
+from engine.config.engine_config import EngineConfig
+from engine.config.table import SETTINGS
 
 
 def test_every_field_is_a_setting_with_the_schemas_default():

@@ -19,7 +19,7 @@ import torch
 @contextmanager
 def serving(folder):
     from engine.build import build_engine
-    from engine.config import load_settings
+    from engine.config.loading import load_settings
     from engine.server.state import ServerState
     from tests.api.conftest import RunningServer
 

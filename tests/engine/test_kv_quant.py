@@ -391,7 +391,7 @@ def test_build_engine_with_k8v4_answers_paris_and_frees_its_pages(engine_for):
 
 def test_kv_dtype_auto_and_the_settings():
     from engine.build import pick_kv_dtype
-    from engine.config import settings_from_mapping
+    from engine.config.loading import settings_from_mapping
 
     assert pick_kv_dtype("auto", CPU) == torch.float32
     assert pick_kv_dtype("auto", torch.device("cuda")) == torch.bfloat16

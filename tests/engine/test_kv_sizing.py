@@ -63,7 +63,7 @@ def test_server_refuses_a_prompt_beyond_the_kv_reach_and_reports_it(engine_for, 
     """/v1/models reports the context the engine can hold (here the host tier's reach, shorter than the model's
     context); a prompt longer than it is a 400 context_length_exceeded from the server naming what limits it, before
     anything is queued."""
-    from engine.config import load_settings
+    from engine.config.loading import load_settings
     from engine.server.state import ServerState
     from tests.api.conftest import RunningServer
 

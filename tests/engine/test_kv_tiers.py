@@ -296,8 +296,8 @@ def test_metrics_expose_the_kv_tiers(tiny):
 def test_ninfer_variables_reach_the_engine_config():
     """The settings the field reports could only set through the environment arrive in the EngineConfig that
     build_engine gets."""
-    from engine.config import load_settings
-    from engine.engine_config import EngineConfig
+    from engine.config.loading import load_settings
+    from engine.config.engine_config import EngineConfig
 
     env = {"NINFER_KV_WINDOW": "16384", "NINFER_KV_RETRIEVE": "8192", "NINFER_KV_RING": "1",
            "NINFER_HOST_PAGEABLE": "1", "NINFER_HOST_KV_MIB": "8192"}

@@ -93,7 +93,7 @@ def test_ring_off_over_http_is_400_context_length_exceeded_saying_why(default_fp
 
     import httpx
 
-    from engine.config import load_settings
+    from engine.config.loading import load_settings
     from engine.server.state import ServerState
     from tests.api.conftest import RunningServer
 

@@ -379,7 +379,7 @@ def test_include_weights_false_plans_on_measured_free_memory(smol):
 
 
 def test_settings_object_and_overrides(smol):
-    from engine.config import settings_from_mapping
+    from engine.config.loading import settings_from_mapping
 
     settings = settings_from_mapping({"max_concurrency": 2, "max_context": 4096}, "test")
     led = build_ledger(smol, settings, vram_mib=8192, ram_mib=8192, kv_dtype="fp16")

@@ -232,7 +232,7 @@ def test_12gb_mtp_preset_on_the_27b_config(qwen27):
     snapshot with --max-shared-prefixes 0), 280 k8v4 pages. The settings check refuses its --kv-capacity 17920 for
     the 16K window it asks for, naming the 403 pages (25,792 tokens) a windowed sequence owns: the pages the ledger
     wants with --kv-capacity auto."""
-    from engine.config import ConfigError, load_settings
+    from engine.config.loading import ConfigError, load_settings
 
     s = preset("12gb-mtp")
     led = plan(qwen27, s, ram_mib=31 * 1024)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.engine_config import EngineConfig
+from engine.config.engine_config import EngineConfig
 from engine.errors import NInferError
 from engine.memory.build import allocate, assemble
 from engine.memory.geometry import PAGE_SIZE, sequence_reach

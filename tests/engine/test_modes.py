@@ -2,7 +2,7 @@
 import pytest
 
 from engine import modes
-from engine.config import ConfigError, load_settings, sampling_defaults
+from engine.config.loading import ConfigError, load_settings, sampling_defaults
 from engine.errors import NInferError
 
 

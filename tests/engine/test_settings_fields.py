@@ -1,4 +1,4 @@
-"""engine.settings.Settings declares a typed field per setting of the schema (engine/settings_table.py): the same
+"""engine.config.settings.Settings declares a typed field per setting of the schema (engine/config/table.py): the same
 names in the same order, a type that admits the schema's type and default, and the schema's default."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import MISSING, fields
 
 import pytest
 
-from engine.config import load_settings
-from engine.settings import Settings
-from engine.settings_table import SETTINGS
+from engine.config.loading import load_settings
+from engine.config.settings import Settings
+from engine.config.table import SETTINGS
 
 EXTRA = ["sources", "print_config", "preset", "config"]
 

@@ -15,7 +15,7 @@ def test_serve_offline_without_the_file_says_it_is_not_cached(hf_home, monkeypat
 
 
 def test_serve_names_the_model_after_the_downloaded_file(tiny_repo, hf_home):
-    from engine.config import load_settings
+    from engine.config.loading import load_settings
     from engine.model.loader import resolve_model_path
 
     settings, _ = load_settings(["hf:test-org/Tiny-Llama-GGUF:Q8_0"])
@@ -50,7 +50,7 @@ def test_ninfer_serve_records_the_models_last_use(tmp_path, monkeypatch):
     """ninfer-serve's loading thread notes the model's last use for the library, as the app does."""
     import time
 
-    from engine.config import load_settings
+    from engine.config.loading import load_settings
     from engine.library import usage
     from engine.model.default import default_model_path
     from engine.serve import load_in_background

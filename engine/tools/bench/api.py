@@ -10,7 +10,7 @@ import time
 import httpx
 import uvicorn
 
-from engine.config import load_settings
+from engine.config.loading import load_settings
 from engine.server.app import create_app
 from engine.server.state import ServerState
 from engine.tools.bench.measure import summarise

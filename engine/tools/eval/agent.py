@@ -152,7 +152,7 @@ def served(settings):
     import uvicorn
 
     from engine.build import build_engine
-    from engine.engine_config import EngineConfig
+    from engine.config.engine_config import EngineConfig
     from engine.model.loader import resolve_model_path
     from engine.serve import served_model_ids
     from engine.server.app import create_app

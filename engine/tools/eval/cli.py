@@ -1,7 +1,7 @@
 """``ninfer-eval CHECK``: the checks to run before trusting a configuration (docs/EVAL.md).
 
 The engine is built in this process from the same settings ``ninfer-serve`` takes (every flag, NINFER_*
-environment variable, --preset and --config, parsed by engine.config), or a server is reached with --url. Each
+environment variable, --preset and --config, parsed by engine.config.loading), or a server is reached with --url. Each
 check writes one line per finished item to a resumable results file (--results) and prints a Markdown table."""
 from __future__ import annotations
 

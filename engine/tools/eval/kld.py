@@ -67,8 +67,8 @@ def add_arguments(p) -> None:
 
 def reference_overrides(ref_flags: str) -> tuple[str | None, dict[str, Any]]:
     """The reference's model (None: the candidate's) and REFERENCE with the settings given in --ref applied."""
-    from engine.config import ConfigError, load_settings
-    from engine.engine_config import EngineConfig
+    from engine.config.loading import ConfigError, load_settings
+    from engine.config.engine_config import EngineConfig
 
     overrides, model = dict(REFERENCE), None
     if ref_flags.strip():

@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, Any]:
-    """The check's own options and the engine settings (engine.config.load_settings on everything else)."""
-    from engine.config import ConfigError, load_settings
+    """The check's own options and the engine settings (engine.config.loading.load_settings on everything else)."""
+    from engine.config.loading import ConfigError, load_settings
 
     args, rest = build_parser().parse_known_args(argv)
     args.engine_flags = list(rest)  # the configuration, as given: reports name it (the app finds them by it)

@@ -23,13 +23,13 @@ ENGINE_KEYS = ("model", "device", "weight_dtype", "kv_dtype", "max_context", "gd
 
 
 class EngineTarget:
-    """The engine built in this process from ``settings`` (an engine.config.Settings) with ``overrides`` applied
+    """The engine built in this process from ``settings`` (an engine.config.loading.Settings) with ``overrides`` applied
     (EngineConfig fields), on ``model`` when given (else the settings' model); driven on the calling thread with
     Engine.step()."""
 
     def __init__(self, settings: Any, overrides: dict[str, Any] | None = None, model: Any = None):
         from engine.build import build_engine
-        from engine.engine_config import EngineConfig
+        from engine.config.engine_config import EngineConfig
 
         self.config = EngineConfig.from_settings(settings).replace(**(overrides or {}))
         self.loaded = build_engine(model if model is not None else settings.model, self.config)

@@ -1,6 +1,6 @@
 """NInfer's one settings schema: command line, environment, TOML presets and config files, merged and validated.
 
-Every knob is a ``Setting`` in ``engine.settings_table.SETTINGS``. Sources merge, later winning:
+Every knob is a ``Setting`` in ``engine.config.table.SETTINGS``. Sources merge, later winning:
 defaults < preset (``--preset``) < config file (``--config``) < environment (``NINFER_*``) < command-line flags.
 Each effective value remembers where it came from. Every problem in every source is collected and raised together
 as one ``ConfigError``; a value for a feature this version does not have is rejected, never silently ignored.
@@ -18,14 +18,14 @@ import socket
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from engine.errors import NInferError
-from engine.kv_settings import kv_note, kv_tier_problems
+from engine.config.kv_notes import kv_note, kv_tier_problems
 from engine.modes import load_modes
-from engine.settings import Settings
-from engine.settings_table import ENV_ALLOWED, ENV_ALLOWED_PREFIXES, GROUPS, SETTINGS, Setting
-from engine.settings_table import show_value as _show
+from engine.config.settings import Settings
+from engine.config.table import ENV_ALLOWED, ENV_ALLOWED_PREFIXES, GROUPS, SETTINGS, Setting
+from engine.config.table import show_value as _show
 
 __all__ = [
     "GROUPS", "SETTINGS", "Setting", "ConfigError", "Settings", "PRESET_DIR", "build_parser",
@@ -34,7 +34,7 @@ __all__ = [
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
-PRESET_DIR = Path(__file__).resolve().parent.parent / "resources" / "presets"
+PRESET_DIR = Path(__file__).resolve().parents[2] / "resources" / "presets"
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 
@@ -399,7 +399,7 @@ def _cpu_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def _note(settings: Any, s: Setting, value: Any, sampling: dict[str, Any]) -> str:
+def _note(settings: Any, s: Setting, value: Any, sampling: dict[str, Any], model_shape) -> str:
     if s.name in SAMPLING_KEYS:
         if s.name == "temperature" and settings.greedy:
             return "effective 0 (--greedy)"
@@ -407,18 +407,19 @@ def _note(settings: Any, s: Setting, value: Any, sampling: dict[str, Any]) -> st
     if s.name == "threads" and value == 0:
         return f"auto: {_cpu_threads()} CPU threads"
     if s.name == "kv_reuse_hostbacked" and value:
-        return kv_note(settings, s.name)
+        return kv_note(settings, s.name, model_shape)
     if s.name in ("kv_window", "kv_retrieve", "kv_ring", "host_kv_mib") and settings.kv_window:
-        return kv_note(settings, s.name)
+        return kv_note(settings, s.name, model_shape)
     return s.default_means if value == s.default and s.default_means else ""
 
 
-def format_settings(settings: Any) -> str:
-    """The --print-config table: setting, value, source and a note on derived values, aligned in columns."""
+def format_settings(settings: Any, model_shape: Callable[[], Any] | None = None) -> str:
+    """The --print-config table: setting, value, source and a note on derived values, aligned in columns
+    (`model_shape()`: the model's ledger shape, for the notes that count its KV pages)."""
     sampling = sampling_defaults(settings)
     rows = [("setting", "value", "source", "note")]
     rows += [(s.name, _hidden(s, getattr(settings, s.name)), settings.source(s.name),
-              _note(settings, s, getattr(settings, s.name), sampling)) for s in SETTINGS]
+              _note(settings, s, getattr(settings, s.name), sampling, model_shape)) for s in SETTINGS]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}".rstrip() for r in rows)
 
@@ -435,5 +436,5 @@ def markdown_table() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m engine.config > table.md  (regenerates the docs/CONFIG.md table)
+if __name__ == "__main__":  # python -m engine.config.loading > table.md  (regenerates the docs/CONFIG.md table)
     print(markdown_table())

@@ -1,6 +1,6 @@
 """The table of every NInfer setting: each knob is declared here exactly once.
 
-``engine.config`` reads this table to build the command-line parser, read environment variables and TOML
+``engine.config.loading`` reads this table to build the command-line parser, read environment variables and TOML
 files, validate values, print the effective configuration and generate docs/CONFIG.md. The desktop app reads it
 for its settings form (``help`` is the tooltip; ``type``, ``choices``, ``minimum`` and ``maximum`` pick the widget).
 Standard library only.

@@ -1,8 +1,8 @@
 """EngineConfig: the settings the engine reads, as one frozen dataclass with typed fields.
 
-Built once from the effective settings (engine.config.load_settings: flags, environment, TOML, presets) and handed
+Built once from the effective settings (engine.config.loading.load_settings: flags, environment, TOML, presets) and handed
 to build_engine, the Engine, the ledger and the speculator, which read the fields they use and nothing else. Each
-field is a setting of the schema (engine/settings_table.py: its flag, environment variable, TOML key, help and
+field is a setting of the schema (engine/config/table.py: its flag, environment variable, TOML key, help and
 validation); the defaults are the schema's, read from it, so nothing here is declared twice."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from engine.settings_table import SETTINGS
+from engine.config.table import SETTINGS
 
 _DEFAULTS = {s.name: s.default for s in SETTINGS}
 
@@ -60,7 +60,7 @@ class EngineConfig:
 
     @classmethod
     def from_settings(cls, settings: Any) -> "EngineConfig":
-        """The engine's part of the effective settings (an engine.config.Settings)."""
+        """The engine's part of the effective settings (an engine.config.loading.Settings)."""
         return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
 
     def replace(self, **changes: Any) -> "EngineConfig":

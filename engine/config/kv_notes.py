@@ -1,10 +1,9 @@
-"""What the KV window settings mean together, for engine.config: the combinations that cannot work (each with its
+"""What the KV window settings mean together, for engine.config.loading: the combinations that cannot work (each with its
 remedy and sources) and the derived values --print-config explains (window and retrieval pages, a windowed
 conversation's GPU pages, the host tier's pages). The numbers come from engine.memory.geometry."""
 from __future__ import annotations
 
-import functools
-from typing import Any
+from typing import Any, Callable
 
 from engine.memory.geometry import PAGE_SIZE, WindowSpec, resolve_kv_dtype, tier_problems
 
@@ -15,7 +14,9 @@ def kv_tier_problems(v: dict[str, Any], src: dict[str, str]) -> list[str]:
     return [f"[{', '.join(dict.fromkeys(src[n] for n in p.settings))}] {p}" for p in tier_problems(v)]
 
 
-def kv_note(settings: Any, name: str) -> str:
+def kv_note(settings: Any, name: str, model_shape: Callable[[], Any] | None = None) -> str:
+    """The --print-config note on a KV-tier setting (`model_shape`: the model's ledger shape, for the host tier's
+    page count)."""
     spec = WindowSpec.from_settings(settings)
     window, ringed = spec.window, settings.kv_ring != "off"
     if name == "kv_window":
@@ -35,22 +36,19 @@ def kv_note(settings: Any, name: str) -> str:
         return {"auto": "windowed once a conversation outgrows the window", "on": "every conversation windowed",
                 "off": "a conversation longer than the window is refused (400 context_length_exceeded)"}[
             settings.kv_ring]
-    return f"every full page of a windowed conversation written through to host memory; {_host_pages_note(settings)}"
+    return (f"every full page of a windowed conversation written through to host memory; "
+            f"{_host_pages_note(settings, model_shape)}")
 
 
-@functools.lru_cache(maxsize=4)
-def _model_shape(model: str | None) -> Any:
-    from engine.ledger import ModelShape
-
-    return ModelShape.from_path(model)
-
-
-def _host_pages_note(settings: Any) -> str:
-    """The host tier's page count for the model (read from its metadata only), or how to get it."""
+def _host_pages_note(settings: Any, model_shape: Callable[[], Any] | None) -> str:
+    """The host tier's page count for the model (`model_shape()`: its ledger shape, read from its metadata only), or
+    how to get it."""
+    if model_shape is None:
+        return "ninfer-doctor --ledger counts its pages for the model"
     try:
         from engine.hardware import resolve_device
 
-        shape = _model_shape(settings.model)
+        shape = model_shape()
         kv = resolve_kv_dtype(settings.kv_dtype, resolve_device(settings.device) == "cuda")
         page = shape.kv_bytes_per_token(kv) * PAGE_SIZE
         pages = settings.host_kv_mib * 2**20 // page

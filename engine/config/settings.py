@@ -1,7 +1,7 @@
 """Settings: every effective setting as one typed dataclass attribute, plus where each value came from.
 
-engine.config.load_settings builds it from flags, environment, TOML files and presets. The schema
-(engine/settings_table.py) is the single source of each setting's flag, variable, help, validation and default;
+engine.config.loading.load_settings builds it from flags, environment, TOML files and presets. The schema
+(engine/config/table.py) is the single source of each setting's flag, variable, help, validation and default;
 the fields here only give each one its type for readers, editors and type checkers, and take the default from the
 schema (tests/engine/test_settings_fields.py checks that the two agree, name for name and type for type)."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.settings_table import SETTINGS
+from engine.config.table import SETTINGS
 
 _DEFAULTS = {s.name: s.default for s in SETTINGS}
 
@@ -24,7 +24,7 @@ def _list(name: str) -> Any:
 
 @dataclass
 class Settings:
-    """Effective settings: one attribute per setting (engine/settings_table.py), plus `sources`."""
+    """Effective settings: one attribute per setting (engine/config/table.py), plus `sources`."""
     # server
     model: str | None = _default("model")
     host: str = _default("host")
