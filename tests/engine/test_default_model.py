@@ -46,7 +46,7 @@ def test_teacher_forced_top1_agrees_with_transformers(default_fp32_engine, defau
 
 
 def test_config_agrees_with_transformers(default_fp32_engine, default_hf_oracle):
-    ours, theirs = default_fp32_engine.config.loading, default_hf_oracle.config
+    ours, theirs = default_fp32_engine.config, default_hf_oracle.config
     assert ours.arch == "llama"
     assert ours.vocab_size == theirs.vocab_size == 49152
     assert ours.hidden_size == theirs.hidden_size
