@@ -55,7 +55,8 @@ class ModelRunner:
         and `state` are its parts."""
         self.model = model
         self.device = model.device
-        capture = resolve_cuda_graphs(cuda_graphs, torch.device(model.device))
+        capture = resolve_cuda_graphs(cuda_graphs, torch.device(model.device),
+                                      getattr(model.cfg, "moe", None) is not None)
         padded = capture or static_decode
         self.pools = allocate(model.cache_specs, model.device, num_pages, kv_dtype, page_size, host_pages=host_pages,
                               host_pinned=host_pinned, state_slots=state_slots, padded=padded,

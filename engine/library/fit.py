@@ -40,6 +40,14 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(GGUF_ARCHS) + tuple(GGUF_HYBRID_ARCHS)
 
 
+def runs_experts(h: GGUFHeader) -> bool:
+    """False for a file with experts in an architecture whose MoE layers this engine does not run (a Mixtral as
+    'llama'); the MoE architectures it runs are GGUF_MOE_ARCHS that it supports (qwen35moe)."""
+    from engine.model.config import GGUF_MOE_ARCHS
+
+    return not h.get(f"{h.architecture}.expert_count") or h.architecture in GGUF_MOE_ARCHS
+
+
 def _first(value: Any) -> Any:
     return max(value) if isinstance(value, (list, tuple)) and value else value
 
@@ -140,8 +148,8 @@ def mark_header(h: GGUFHeader, name: str, *, vram_mib: int, ram_mib: int, file_s
     arch = h.architecture
     if arch not in supported_architectures():
         return FitMark(UNSUPPORTED, f"'{arch or 'unknown'}' (this engine runs {', '.join(supported_architectures())})")
-    if h.get(f"{arch}.expert_count"):
-        return FitMark(UNSUPPORTED, f"'{arch}' with mixture-of-experts layers")
+    if not runs_experts(h):
+        return FitMark(UNSUPPORTED, f"'{arch}' with mixture-of-experts layers (this engine runs them as qwen35moe)")
     try:
         shape = shape_from_header(h, name, file_size)
         return mark_shape(shape, vram_mib=vram_mib, ram_mib=ram_mib, settings=settings)

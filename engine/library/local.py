@@ -78,7 +78,7 @@ def _quant(header, filename: str) -> str:
 def describe(path: Path, source: str, name: str) -> LocalModel | None:
     """A LocalModel from the file's header (a split model's from all its parts' headers, listed once, by part 1:
     None for the other parts); an unreadable header or a missing part is kept, with the reason."""
-    from engine.library.fit import merged_header, supported_architectures
+    from engine.library.fit import merged_header, runs_experts, supported_architectures
     from engine.library.hub import LibraryError, quant_of, split_part
     from engine.library.split import base_name, sibling_parts
 
@@ -101,7 +101,7 @@ def describe(path: Path, source: str, name: str) -> LocalModel | None:
     arch = h.architecture
     ctx = int(h.get(f"{arch}.context_length", 0) or 0)
     return LocalModel(source, name, path, size, arch, _quant(h, path.name), sum(t.n_elements for t in h.tensors),
-                      ctx, arch in supported_architectures() and not h.get(f"{arch}.expert_count"), parts=parts)
+                      ctx, arch in supported_architectures() and runs_experts(h), parts=parts)
 
 
 def hf_cache_models(cache: Path | None = None) -> list[LocalModel]:

@@ -11,8 +11,10 @@ from engine.model.registry import check_supported
 # The architectures (engine.model.registry) whose GGUF files engine/model/gguf_file.py reads: the llama family, and
 # the Gated-DeltaNet hybrids (llama.cpp's qwen35: Qwen3.5 dense).
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
-GGUF_HYBRID_ARCHS = ("qwen35",)
-# GGUF architectures refused, with what to use instead: llama.cpp writes them only with mixture-of-experts layers.
+GGUF_HYBRID_ARCHS = ("qwen35", "qwen35moe")
+# The mixture-of-experts GGUF architectures (llama.cpp writes them only with MoE layers, in every layer): qwen35moe
+# runs as the qwen35 model class with MoE MLPs (engine/model/moe.py); qwen3next is refused (its grouped ssm_in /
+# ssm_ba layout is not read yet; its HF folders run).
 GGUF_MOE_ARCHS = {"qwen35moe": "Qwen3.5-MoE", "qwen3next": "Qwen3-Next"}
 # The names HF config.json files give the architectures engine.model.registry implements.
 HF_ARCHS = {
@@ -21,13 +23,15 @@ HF_ARCHS = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3_5ForCausalLM": "qwen35",
-    "Qwen3NextForCausalLM": "qwen35",  # dense only (engine/model/hf_folder.py refuses MoE layers); grouped projections
+    "Qwen3NextForCausalLM": "qwen35",  # dense and MoE layers (mlp_only_layers, decoder_sparse_step); grouped projections
     "Qwen3_5ForConditionalGeneration": "qwen35",  # the published Qwen3.5 checkpoints: text model + vision tower
+    "Qwen3_5MoeForCausalLM": "qwen35",  # Qwen3.5-MoE: every layer's MLP is a mixture of experts
+    "Qwen3_5MoeForConditionalGeneration": "qwen35",  # the published Qwen3.5/3.6-MoE checkpoints (+ vision tower)
 }
 # Multimodal wrappers whose config.json nests the language model's fields under "text_config" and whose weights
 # hold the text model under "model.language_model." beside a vision tower ("model.visual."), which is not loaded:
 # this engine serves text only.
-HF_TEXT_CONFIG_ARCHS = ("Qwen3_5ForConditionalGeneration",)
+HF_TEXT_CONFIG_ARCHS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 VISION_PREFIX = "model.visual."
 
 
@@ -54,6 +58,32 @@ class LinearAttentionConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts MLPs of a model (engine/model/moe.py): `layers` (their indices) replace the dense MLP
+    with a router over `num_experts` SwiGLU experts of width `expert_size`, of which `top_k` run per token, their
+    softmax weights renormalised over the k when `norm_topk` (Qwen3.5-MoE and llama.cpp: always), plus a shared
+    expert of width `shared_size` (0: none) scaled by a sigmoid gate."""
+    num_experts: int
+    top_k: int
+    expert_size: int
+    shared_size: int
+    norm_topk: bool = True
+    layers: tuple[int, ...] = ()
+
+    def problems(self, num_layers: int) -> list[str]:
+        out = []
+        if self.num_experts <= 0 or not 0 < self.top_k <= self.num_experts:
+            out.append(f"num_experts={self.num_experts} and num_experts_per_tok={self.top_k} must satisfy "
+                       f"0 < num_experts_per_tok <= num_experts")
+        if self.expert_size <= 0 or self.shared_size < 0:
+            out.append(f"moe_intermediate_size={self.expert_size} must be positive and "
+                       f"shared_expert_intermediate_size={self.shared_size} not negative")
+        if any(not 0 <= i < num_layers for i in self.layers):
+            out.append(f"MoE layers {list(self.layers)} must lie in 0..{num_layers - 1}")
+        return out
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str
     vocab_size: int
@@ -62,7 +92,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
+    intermediate_size: int  # the dense MLPs' width (0 where every layer is a mixture of experts)
     rms_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -74,6 +104,7 @@ class ModelConfig:
     layer_kinds: tuple[str, ...] = ()  # per layer: "attention" or "recurrent" (engine/memory/specs.py); () = all attention
     linear: LinearAttentionConfig | None = None  # the recurrent (Gated-DeltaNet) layers' shape, for hybrids
     partial_rotary: float = 1.0  # the share of each head's dims RoPE rotates (Qwen3.5: the first quarter)
+    moe: MoEConfig | None = None  # the mixture-of-experts MLPs and the layers that have them; None: all dense
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -81,9 +112,10 @@ class ModelConfig:
             object.__setattr__(self, "layer_kinds", ("attention",) * self.num_layers)
         problems = []
         check_supported(self.arch)  # refuses an architecture no model class computes
+        all_moe = self.moe is not None and len(set(self.moe.layers)) == self.num_layers
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "intermediate_size", "max_position"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) <= 0 and not (name == "intermediate_size" and all_moe and self.intermediate_size == 0):
                 problems.append(f"{name}={getattr(self, name)} must be positive")
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
             problems.append(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -97,11 +129,17 @@ class ModelConfig:
             problems.append(f"linear attention {n} needs positive sizes and value heads a multiple of key heads")
         if not 0 < self.partial_rotary <= 1 or int(self.head_dim * self.partial_rotary) % 2:
             problems.append(f"partial_rotary_factor {self.partial_rotary} must leave an even number of rotated dims")
+        if self.moe is not None:
+            problems += self.moe.problems(self.num_layers)
         if self.head_dim % 2:
             problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if problems:
             raise ModelLoadError("The model's configuration is invalid: " + "; ".join(problems) + ".",
                                  "The file is damaged or was converted wrongly; re-download or re-convert it.")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (else the dense gated MLP, intermediate_size)."""
+        return self.moe is not None and layer in self.moe.layers
 
     @property
     def attention_layers(self) -> int:

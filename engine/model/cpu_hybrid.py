@@ -28,6 +28,8 @@ def is_hybrid(model) -> bool:
 def why_not(model, kv, state) -> str | None:
     """None when the hybrid `model` on cache `kv` and state pool `state` decodes through hybrid_step; else why not
     (hybrid_step takes no biases: Qwen3.5 has none)."""
+    if is_hybrid(model) and model.cfg.moe is not None:
+        return "the model has mixture-of-experts layers (the C++ step runs dense MLPs); each layer runs in Python"
     why = unreadable(model, kv, Qwen35Model, LINEARS, "a Qwen3.5 hybrid of GDN and gated attention layers", False)
     if why is None and (state is None or any(t["conv"].dtype != torch.float32 for t in state.layers)):
         return "the GDN conv states are not float32"

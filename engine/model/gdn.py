@@ -5,7 +5,8 @@ Per token: in_proj_qkv -> causal depthwise conv (kernel K, SiLU) -> q, k (L2-nor
 head serving HV / HK consecutive value heads), v; beta = sigmoid(b), g = -exp(A_log) softplus(a + dt_bias) in
 float32; the gated delta rule (kernels.dispatch gdn_chunked over a prompt, gdn_recurrent for the one-token steps
 of many sequences at once, over their state slots; Triton on CUDA, the PyTorch twins elsewhere); a gated
-RMSNorm (plain weight) times silu(z); out_proj. Then the gated MLP, as in the attention layers.
+RMSNorm (plain weight) times silu(z); out_proj. Then the MLP (dense or MoE, engine/model/moe.py), as in the
+attention layers.
 
 The delta-rule state may be stored in fp16 (--gdn-state-fp16): it is read into fp32, updated in fp32 and rounded
 when stored (once per step, and at a snapshot's page boundary, so a sequence resumed from the snapshot continues
@@ -19,8 +20,9 @@ import torch.nn.functional as F
 from engine.memory.specs import gated_delta_spec
 from engine.batch import ForwardBatch
 from engine.model.config import ModelConfig
-from engine.model.layers import rms_norm, silu_and_mul
+from engine.model.layers import rms_norm
 from engine.model.linear import Linear, fuse
+from engine.model.moe import GatedMLP
 from kernels import dispatch
 
 
@@ -34,7 +36,7 @@ def gdn_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
             a + "A_log": (n.num_v_heads,), a + "norm.weight": (n.head_v_dim,), a + "out_proj.weight": (h, n.value_dim)}
 
 
-class GDNLayer:
+class GDNLayer(GatedMLP):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, activation_dtype: str,
                  state_dtype: str = "float32"):
         n, a = cfg.linear, prefix + "linear_attn."
@@ -48,8 +50,7 @@ class GDNLayer:
         self.neg_a = -w[a + "A_log"].float().exp()
         self.norm = w[a + "norm.weight"].float()
         self.out = Linear(w[a + "out_proj.weight"])
-        self.gate_up = Linear(fuse([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]]))
-        self.down = Linear(w[prefix + "mlp.down_proj.weight"])
+        self.init_mlp(cfg, w, prefix)
         self.cache_spec = gated_delta_spec(n, activation_dtype, state_dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ordinal: int, batch: ForwardBatch,
@@ -70,7 +71,7 @@ class GDNLayer:
         o = (o * F.silu(z.float().view_as(o))).reshape(-1, n.value_dim).to(x.dtype)
         residual = residual + self.out(o)
         h = rms_norm(residual, self.post_norm, cfg.rms_eps)
-        return self.down(silu_and_mul(self.gate_up(h))), residual
+        return self.mlp(h), residual
 
     def _eager(self, qkv, g, beta, state, batch: ForwardBatch, ordinal: int) -> torch.Tensor:
         """The sequences decoding one token step together (batched over their slots); longer ones one at a time."""

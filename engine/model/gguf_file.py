@@ -1,5 +1,6 @@
 """Read GGUF files with the `gguf` package: the llama family (Llama/SmolLM, Qwen2, Qwen3) and llama.cpp's qwen35
-Gated-DeltaNet hybrids. The tensor names and stored forms are in engine/model/gguf_names.py."""
+Gated-DeltaNet hybrids, dense or with mixture-of-experts MLPs (qwen35moe). The tensor names and stored forms are in
+engine/model/gguf_names.py, the experts' in engine/model/gguf_experts.py."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from engine.errors import ModelLoadError
-from engine.model.config import GGUF_ARCHS, GGUF_HYBRID_ARCHS, GGUF_MOE_ARCHS, LinearAttentionConfig, ModelConfig
+from engine.model.config import (GGUF_ARCHS, GGUF_HYBRID_ARCHS, GGUF_MOE_ARCHS, LinearAttentionConfig, ModelConfig,
+                                 MoEConfig)
+from engine.model.gguf_experts import restore_moe, split_stacked
+from engine.model.gguf_names import is_stacked
 from engine.model.gguf_names import column_heads, gguf_name, hf_name, restore, row_order, stored_shape, untile
 from engine.model.gguf_exact import EXACT_LAYOUTS, STORED_AS, pack_exact, probe_planes
 from engine.model.linear import TERNARY_GROUP, keeps_codes
@@ -54,12 +58,16 @@ def _field(reader: GGUFReader, key: str, default=None):
 def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     experts = _field(reader, f"{arch}.expert_count")
-    if arch in GGUF_MOE_ARCHS or (arch in GGUF_HYBRID_ARCHS and experts):
-        family = GGUF_MOE_ARCHS.get(arch, arch)
-        raise ModelLoadError(f"{path.name}: architecture '{arch}' ({family}, {experts or 'with'} experts) is a "
-                             f"mixture-of-experts model; this engine does not run MoE layers yet.",
-                             "Use a dense Gated-DeltaNet hybrid instead: a Qwen3.5 dense GGUF (architecture qwen35) "
-                             "or Hugging Face folder (Qwen3_5ForCausalLM).")
+    if arch in GGUF_MOE_ARCHS and arch not in GGUF_HYBRID_ARCHS:
+        raise ModelLoadError(f"{path.name}: architecture '{arch}' ({GGUF_MOE_ARCHS[arch]}, {experts or 'with'} "
+                             f"experts) is a mixture-of-experts model whose GGUF layout (grouped ssm_in / ssm_ba "
+                             f"projections) this engine does not read yet.",
+                             "Use the model's Hugging Face folder (Qwen3NextForCausalLM runs), or a Qwen3.5/3.6-MoE "
+                             "GGUF (architecture qwen35moe).")
+    if arch == "qwen35" and experts:
+        raise ModelLoadError(f"{path.name}: architecture 'qwen35' (dense Qwen3.5) claims {experts} experts; "
+                             f"llama.cpp writes Qwen3.5-MoE files as 'qwen35moe'.",
+                             "The file was converted wrongly; convert it again with llama.cpp's converter.")
     if arch not in GGUF_ARCHS + GGUF_HYBRID_ARCHS:
         raise ModelLoadError(f"{path.name}: architecture '{arch}' is not supported.",
                              f"Supported GGUF architectures: {', '.join(GGUF_ARCHS + GGUF_HYBRID_ARCHS)}.")
@@ -78,12 +86,16 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     mtp = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0) if arch in GGUF_HYBRID_ARCHS else 0
     head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // heads))
     hybrid = _hybrid(reader, arch, path, blocks - mtp, head_dim, need) if arch in GGUF_HYBRID_ARCHS else {}
+    moe = _moe(arch, blocks - mtp, need) if arch in GGUF_MOE_ARCHS else None
+    ffn = _field(reader, f"{arch}.feed_forward_length", 0 if moe is not None else None)
+    if ffn is None:
+        need("feed_forward_length")
     return ModelConfig(
-        arch=arch, vocab_size=int(vocab), hidden_size=hidden, num_layers=blocks - mtp,
+        arch=MODEL_ARCH.get(arch, arch), vocab_size=int(vocab), hidden_size=hidden, num_layers=blocks - mtp,
         num_heads=heads, num_kv_heads=_one(_field(reader, f"{arch}.attention.head_count_kv", heads),
                                            f"{arch}.attention.head_count_kv", path),
         head_dim=head_dim,
-        intermediate_size=_one(need("feed_forward_length"), f"{arch}.feed_forward_length", path),
+        intermediate_size=_one(ffn, f"{arch}.feed_forward_length", path) if ffn else 0,
         rms_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=_rope_scaling(reader, arch),
@@ -92,8 +104,20 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm=arch not in GGUF_HYBRID_ARCHS and "blk.0.attn_q_norm.weight" in names,  # (qwen35: its own q/k norms)
         name=str(_field(reader, "general.name", path.stem)),
+        moe=moe,
         **hybrid,
     )
+
+
+# GGUF architectures that run as another one's model class: qwen35moe is qwen35 with MoE MLPs
+MODEL_ARCH = {"qwen35moe": "qwen35"}
+
+
+def _moe(arch: str, layers: int, need) -> MoEConfig:
+    """llama.cpp's MoE keys; every layer is MoE, the top k always renormalised (llama.cpp hard-codes it)."""
+    shared = int(need("expert_shared_feed_forward_length"))
+    return MoEConfig(int(need("expert_count")), int(need("expert_used_count")),
+                     int(need("expert_feed_forward_length")), shared, True, tuple(range(layers)))
 
 
 def _one(value, key: str, path: Path) -> int:
@@ -160,6 +184,24 @@ def exact_native(values: np.ndarray, kind: str, blocks: np.ndarray, reorder) -> 
     return pack_exact(dense, plane(scale), plane(minimum), kind)
 
 
+def _stored(t) -> str:
+    return t.format.split("_")[0] if isinstance(t, QuantizedWeight) else "float32"
+
+
+def _stacked_experts(t, name: str, shape: tuple[int, ...], native: bool, path: Path) -> dict:
+    """One stacked expert tensor cut into its experts (engine/model/gguf_experts.py)."""
+    if len(shape) != 3:
+        raise ModelLoadError(f"{path.name}: tensor {t.name} has shape {shape}; stacked experts are 3-D "
+                             f"(experts, rows, columns).", "The file is damaged or was converted wrongly; convert "
+                                                           "it again.")
+    exact = (lambda values, blocks: exact_native(values, t.tensor_type.name, blocks, lambda a: a)) if native else None
+    try:
+        return split_stacked(name, t, shape, native, NATIVE_TYPES, exact)
+    except ValueError as e:
+        raise ModelLoadError(f"{path.name}: tensor {t.name} ({t.tensor_type.name}) cannot be read: {e}.",
+                             "The file is damaged; download it again.") from None
+
+
 def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Event | None = None,
               native: bool = False) -> LoadedWeights:
     """Tensors under HF names: dequantized to float32, or with native=True the linear weights of the low-bit types
@@ -180,6 +222,13 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         kind = storage[name] = t.tensor_type.name
+        if is_stacked(name):
+            experts = _stacked_experts(t, name, shape, native, path)
+            tensors.update(experts)
+            storage.pop(name)
+            storage.update({n: f"{kind} -> {_stored(v)}" if native and kind not in DENSE_TYPES else kind
+                            for n, v in experts.items()})
+            continue
         # rows or V-head columns stored in another order than HF's (a tensor of the wrong shape is left as it is,
         # for check_complete to name it)
         want = stored_shape(name, cfg, expected.get(name))
@@ -215,7 +264,7 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
 
         arr = reorder(arr)
         try:
-            arr = restore(name, arr, cfg)
+            arr = restore_moe(name, restore(name, arr, cfg))
         except ValueError as e:
             raise ModelLoadError(f"{path.name}: tensor {t.name} cannot be read: {e}.",
                                  "The file is damaged or was converted wrongly; convert it again.") from None

@@ -15,6 +15,7 @@ qwen35 (Qwen3.5 dense Gated-DeltaNet hybrids; the converter's Qwen3.5 text model
 - q/k/v inside attn_qkv stay [q | k | v]; the attention layers' attn_q keeps HF's per-head [query | gate] rows;
 - layer kinds: `{arch}.attention.recurrent_layers` when present, else layer i is full attention when
   (i + 1) % `{arch}.full_attention_interval` (default 4) == 0;
+- qwen35moe (Qwen3.5/3.6-MoE) is qwen35 with mixture-of-experts MLPs (MOE_NAMES; engine/model/gguf_experts.py);
 - MTP: `{arch}.block_count` counts the `{arch}.nextn_predict_layers` MTP blocks appended after the main layers; the
   first holds blk.{L}.nextn.{eh_proj, enorm, hnorm, shared_head_norm} beside a full-attention layer's tensors. They
   load under the mtp.* names of HF checkpoints (engine/speculative/mtp.py)."""
@@ -52,7 +53,36 @@ _QWEN35_LAYER_NAMES = _LAYER_NAMES | {
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
 }
-LAYER_NAMES = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES, "qwen35": _QWEN35_LAYER_NAMES}
+# qwen35moe: the MoE MLPs' tensors, GGUF name (after "blk.N.") -> HF name (after "model.layers.N."); the stacked
+# experts map to pseudo-names without ".weight", cut per expert by engine/model/gguf_experts.py
+MOE_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+}
+STACKED = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+
+
+def is_stacked(name: str) -> bool:
+    return name.endswith(STACKED)
+
+
+def stacked_gguf_name(name: str) -> str | None:
+    """For messages: `model.layers.N.mlp.experts.E.gate_proj.weight` -> `blk.N.ffn_gate_exps.weight[E]`."""
+    parts = name.split(".")
+    if len(parts) != 8 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp", "experts"]:
+        return None
+    return f"blk.{parts[2]}.ffn_{parts[6].removesuffix('_proj')}_exps.weight[{parts[5]}]"
+
+
+LAYER_NAMES = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES,
+               "qwen35": _QWEN35_LAYER_NAMES | MOE_NAMES}
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
 # the first MTP block's own tensors (blk.{L}.nextn.*); nextn.embed_tokens (a copy of token_embd) is not read
@@ -89,7 +119,7 @@ def gguf_name(name: str, arch: str) -> str | None:
         for gguf, hf in LAYER_NAMES.get(arch, _LAYER_NAMES).items():
             if hf == parts[3]:
                 return f"blk.{parts[2]}.{gguf}"
-    return None
+    return stacked_gguf_name(name)
 
 
 def untile(num_k_heads: int, num_v_heads: int, width: int) -> np.ndarray:

@@ -41,11 +41,12 @@ def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def resolve_cuda_graphs(setting: str, device: torch.device) -> bool:
-    """auto: on where the device is CUDA and Triton is usable (the decode attention kernel); on: the same, or a
-    clear refusal; off: never."""
+def resolve_cuda_graphs(setting: str, device: torch.device, moe: bool = False) -> bool:
+    """auto: on where the device is CUDA and Triton is usable (the decode attention kernel) and the model has no
+    mixture-of-experts layers (their routing picks the experts on the host, every step); on: the same, or a clear
+    refusal; off: never."""
     usable = device.type == "cuda" and dispatch.use_triton(device)
-    if setting == "off" or (setting == "auto" and not usable):
+    if setting == "off" or (setting == "auto" and (not usable or moe)):
         return False
     if setting not in ("auto", "on"):
         raise NInferError(f"--cuda-graphs {setting} is not a choice.", "Use auto, on or off.")
@@ -57,6 +58,10 @@ def resolve_cuda_graphs(setting: str, device: torch.device) -> bool:
         raise NInferError("--cuda-graphs on needs Triton for the decode attention kernel, and Triton is not usable "
                           "here (not installed, or NINFER_NO_TRITON is set).",
                           "Install triton (or unset NINFER_NO_TRITON), or use --cuda-graphs auto or off.")
+    if moe:
+        raise NInferError("--cuda-graphs on: this model has mixture-of-experts layers, whose experts are chosen on "
+                          "the host at every step, which a recorded graph cannot do.",
+                          "Use --cuda-graphs auto or off for MoE models.")
     return True
 
 

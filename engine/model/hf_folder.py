@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
-from engine.model.config import HF_ARCHS, HF_TEXT_CONFIG_ARCHS, VISION_PREFIX, LinearAttentionConfig, ModelConfig
+from engine.model.config import (HF_ARCHS, HF_TEXT_CONFIG_ARCHS, VISION_PREFIX, LinearAttentionConfig, ModelConfig,
+                                 MoEConfig)
 from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete
 
 log = logging.getLogger("ninfer.model")
@@ -27,22 +28,24 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path} cannot be read: {e}.", "Download the model folder again.") from None
     archs = raw.get("architectures") or []
     arch = next((HF_ARCHS[a] for a in archs if a in HF_ARCHS), None)
-    moe = next((a for a in archs if "Moe" in a), None)
-    if arch is None and moe:
-        raise ModelLoadError(f"{folder.name}: {moe} is a mixture-of-experts model; this engine does not run MoE "
-                             f"layers yet.", f"Use a dense model of the family (supported: "
-                                             f"{', '.join(sorted(HF_ARCHS))}; e.g. Qwen3.5-27B is "
-                                             f"Qwen3_5ForConditionalGeneration).")
+    other_moe = next((a for a in archs if "Moe" in a), None)
+    if arch is None and other_moe:
+        raise ModelLoadError(f"{folder.name}: {other_moe} is a mixture-of-experts model of a family this engine does "
+                             f"not run.", f"Supported: {', '.join(sorted(HF_ARCHS))} (the MoE ones: Qwen3.5/3.6-MoE "
+                                          f"and Qwen3-Next).")
     if arch is None:
         raise ModelLoadError(f"{folder.name}: architecture {archs or raw.get('model_type')} is not supported.",
                              f"Supported: {', '.join(sorted(HF_ARCHS))}.")
     if any(a in HF_TEXT_CONFIG_ARCHS for a in archs):
         raw = _text_config(raw, path)
+    qwen35_moe = any(a in QWEN3_5_MOE for a in archs)
     if QWEN3_NEXT in archs:
         raw = {**QWEN3_NEXT_DEFAULTS, **raw}
-        _refuse_moe_layers(raw, folder)
+    elif qwen35_moe:
+        raw = {**QWEN3_5_MOE_DEFAULTS, **raw}
     elif arch == "qwen35":
         raw = {**QWEN3_5_DEFAULTS, **raw}
+    moe = _moe(raw, path, every_layer=qwen35_moe) if QWEN3_NEXT in archs or qwen35_moe else None
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     # Multimodal RoPE (mrope_section): text positions are equal in its three streams (time, height, width), so
@@ -56,7 +59,8 @@ def read_config(folder: Path) -> ModelConfig:
             num_layers=int(raw["num_hidden_layers"]), num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(raw.get("head_dim") or hidden // heads),
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=int(raw["intermediate_size"] if moe is None or raw.get("intermediate_size") or
+                                  len(moe.layers) < int(raw["num_hidden_layers"]) else 0),
             rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
@@ -68,6 +72,7 @@ def read_config(folder: Path) -> ModelConfig:
             layer_kinds=_layer_kinds(raw.get("layer_types") or _interval_types(raw, arch)),
             linear=_linear_attention(raw),
             partial_rotary=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
+            moe=moe,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: field {e} is missing or malformed.", "Download the model folder again.") from None
@@ -107,36 +112,61 @@ def _interval_types(raw: dict, arch: str) -> list[str] | None:
 
 
 # Qwen3-Next (Qwen3NextForCausalLM): transformers' defaults for the fields this engine reads, where config.json
-# leaves them out; its MoE layers are refused, its dense form runs as qwen35 once the grouped projections are split.
+# leaves them out; it runs as qwen35 once the grouped projections are split, its MoE layers as _moe says.
 QWEN3_NEXT = "Qwen3NextForCausalLM"
 QWEN3_NEXT_DEFAULTS = {"head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
                        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
-                       "partial_rotary_factor": 0.25, "num_experts": 512, "decoder_sparse_step": 1,
-                       "mlp_only_layers": [], "max_position_embeddings": 32768}
+                       "partial_rotary_factor": 0.25, "num_experts": 512, "num_experts_per_tok": 10,
+                       "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
+                       "decoder_sparse_step": 1, "mlp_only_layers": [], "max_position_embeddings": 32768}
 
 # Qwen3.5 (Qwen3_5TextConfig, also inside Qwen3_5ForConditionalGeneration's text_config): transformers' defaults
 QWEN3_5_DEFAULTS = {"head_dim": 256, "num_key_value_heads": 4, "linear_num_key_heads": 16,
                     "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                     "linear_conv_kernel_dim": 4, "partial_rotary_factor": 0.25, "max_position_embeddings": 32768}
+# Qwen3.5/3.6-MoE (Qwen3_5MoeTextConfig): every layer's MLP is a mixture of experts, the top k always renormalised
+QWEN3_5_MOE = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+QWEN3_5_MOE_DEFAULTS = QWEN3_5_DEFAULTS | {"num_key_value_heads": 2, "num_experts": 256, "num_experts_per_tok": 8,
+                                           "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512}
 
 
-def _refuse_moe_layers(raw: dict, folder: Path) -> None:
-    """transformers gives layer i a sparse MoE block when i is not in mlp_only_layers, num_experts > 0 and
-    (i + 1) % decoder_sparse_step == 0; every other layer has the dense MLP (intermediate_size)."""
+def _moe(raw: dict, path: Path, every_layer: bool) -> MoEConfig | None:
+    """The MoE layers as transformers builds them: every layer (Qwen3.5-MoE), or (Qwen3-Next) layer i when it is not
+    in mlp_only_layers, num_experts > 0 and (i + 1) % decoder_sparse_step == 0; the others have the dense MLP
+    (intermediate_size). None when no layer is MoE."""
     try:
-        experts, step = int(raw["num_experts"]), int(raw["decoder_sparse_step"])
-        dense = {int(i) for i in raw["mlp_only_layers"] or []}
-        moe = [i for i in range(int(raw["num_hidden_layers"]))
-               if i not in dense and experts > 0 and step > 0 and (i + 1) % step == 0]
+        layers = int(raw["num_hidden_layers"])
+        experts = int(raw["num_experts"])
+        if every_layer:
+            moe, norm = list(range(layers)), True
+        else:
+            step = int(raw["decoder_sparse_step"])
+            dense = {int(i) for i in raw["mlp_only_layers"] or []}
+            moe = [i for i in range(layers) if i not in dense and experts > 0 and step > 0 and (i + 1) % step == 0]
+            norm = bool(raw["norm_topk_prob"])
+        if not moe:
+            return None
+        return MoEConfig(experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                         int(raw.get("shared_expert_intermediate_size") or 0), norm, tuple(moe))
     except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{folder}/config.json: field {e} is missing or malformed.",
-                             "Download the model folder again.") from None
-    if moe:
-        shown = ", ".join(map(str, moe[:8])) + (", ..." if len(moe) > 8 else "")
-        raise ModelLoadError(f"{folder.name}: {QWEN3_NEXT} has mixture-of-experts layers ({experts} experts in "
-                             f"layers {shown}); this engine does not run MoE layers yet.",
-                             "Use a dense Gated-DeltaNet hybrid (Qwen3_5ForCausalLM, or a Qwen3-Next config whose "
-                             "layers are all in mlp_only_layers or that has num_experts 0).")
+        raise ModelLoadError(f"{path}: field {e} is missing or malformed.", "Download the model folder again.") from None
+
+
+def _unfuse_experts(tensors: dict[str, torch.Tensor], storage: dict[str, str]) -> None:
+    """Experts stored as 3-D tensors (the published Qwen3.5-MoE files: mlp.experts.gate_up_proj [E, 2I, H], gate
+    rows first, and mlp.experts.down_proj [E, H, I]) into the per-expert names the model reads."""
+    for name in [n for n in tensors if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        t, kind = tensors.pop(name), storage.pop(name, "")
+        base = name.rsplit(".", 1)[0]
+        for e in range(t.shape[0]):
+            if name.endswith("gate_up_proj"):
+                gate, up = t[e].chunk(2, dim=0)
+                parts = {"gate_proj": gate, "up_proj": up}
+            else:
+                parts = {"down_proj": t[e]}
+            for proj, part in parts.items():
+                key = f"{base}.{e}.{proj}.weight"
+                tensors[key], storage[key] = part.contiguous(), kind
 
 
 def _ungroup(cfg: ModelConfig, tensors: dict[str, torch.Tensor], storage: dict[str, str], where: str) -> None:
@@ -214,5 +244,7 @@ def load_folder(folder: Path, progress: Progress | None = None,
         tensors.pop("lm_head.weight", None)
     if cfg.linear is not None:
         _ungroup(cfg, tensors, storage, folder.name)
+    if cfg.moe is not None:
+        _unfuse_experts(tensors, storage)
     check_complete(cfg, tensors, folder.name)
     return LoadedWeights(cfg, tensors, "hf", storage)

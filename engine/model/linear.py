@@ -41,6 +41,18 @@ def keeps_codes(name: str) -> bool:
     return is_linear(name) or name == EMBEDDING
 
 
+def layer_linears(layer) -> list:
+    """A decoder layer's Linear layers, with the experts of its mixture-of-experts block (engine/model/moe.py)."""
+    out = [v for v in vars(layer).values() if isinstance(v, Linear)]
+    moe = getattr(layer, "moe", None)
+    return out + (moe.linears() if moe is not None else [])
+
+
+def is_router(name: str) -> bool:
+    """A MoE router or shared-expert gate weight (engine/model/moe.py): kept dense float32 in every format."""
+    return name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight"))
+
+
 def native_format(tensors: dict[str, Weight]) -> str | None:
     """The low-bit format most linear weights are stored in (as loaded from a GGUF file), if any."""
     kinds = [t.format for n, t in tensors.items() if is_linear(n) and isinstance(t, QuantizedWeight)]
@@ -59,6 +71,8 @@ def convert(name: str, t: Weight, fmt: str, dtype: torch.dtype, device: torch.de
     float32) and is dense in `dtype` otherwise; elsewhere a low-bit model's output layer is int8 per channel unless
     kept."""
     dense = lambda: dequantize(t, torch.float32) if isinstance(t, QuantizedWeight) else t  # noqa: E731
+    if is_router(name):
+        return dense().to(device=device, dtype=torch.float32)
     head = name == "lm_head.weight"
     if (head or name == EMBEDDING) and device.type == "cpu" and fmt in LOW_BIT and isinstance(t, QuantizedWeight):
         return t  # as stored: engine/model/head.py decodes the looked-up rows and makes the logits float32-exact
@@ -174,8 +188,7 @@ def dense_cpu_dtype() -> torch.dtype:
 def enable_dense_prefill(model, min_rows: int) -> DenseScratch:
     """Gives every low-bit linear layer of the decoder layers (not the output layer, which prefill runs on one row
     per sequence) one shared DenseScratch."""
-    linears = [v for layer in model.layers for v in vars(layer).values()
-               if isinstance(v, Linear) and isinstance(v.weight, QuantizedWeight)]
+    linears = [v for layer in model.layers for v in layer_linears(layer) if isinstance(v.weight, QuantizedWeight)]
     scratch = DenseScratch(min_rows, max((v.weight.out_features * v.weight.in_features for v in linears), default=0))
     for v in linears:
         v.scratch = scratch
@@ -187,7 +200,7 @@ def use_cpu_kernel(model) -> str | None:
     first: the decoder layers' low-bit weights (4-bit and grouped int8 in groups of 32k; kernels/cpu.native_fn) and
     every float32 linear weight, the output layer's included (`dense_linear`). Returns what was done, for the load
     log, or None where the kernels are not available (`cpu_native.ready()` says why)."""
-    linears = [v for layer in model.layers for v in vars(layer).values() if isinstance(v, Linear)]
+    linears = [v for layer in model.layers for v in layer_linears(layer)]
     quantized = [v for v in linears if isinstance(v.weight, QuantizedWeight)]
     taken = [v.weight for v in quantized if cpu_native.lowbit_supported(v.weight)]
     dense = [v for v in linears + [model.lm_head] if type(v) is Linear and _dense_float32(v)]

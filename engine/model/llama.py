@@ -144,7 +144,7 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         """Bytes the forward pass reads per token: every layer's weights plus the output layer (not the embedding
-        table, of which one row is read)."""
+        table, of which one row is read); of a mixture-of-experts block, the router, shared and top-k experts."""
         total = self.lm_head.nbytes + self.norm.numel() * self.norm.element_size()
         for layer in self.layers:
             for v in vars(layer).values():
@@ -152,6 +152,8 @@ class LlamaModel:
                     total += v.nbytes
                 elif isinstance(v, torch.Tensor):
                     total += v.numel() * v.element_size()
+            if getattr(layer, "moe", None) is not None:
+                total += layer.moe.bytes_per_token()
         return total
 
     @torch.inference_mode()

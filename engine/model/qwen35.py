@@ -13,8 +13,9 @@ from engine.memory.specs import AttentionSpec
 from engine.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn import GDNLayer, gdn_shapes
-from engine.model.layers import Rotary, paged_attention, rms_norm, silu_and_mul
+from engine.model.layers import Rotary, paged_attention, rms_norm
 from engine.model.linear import Linear, fuse
+from engine.model.moe import GatedMLP, mlp_shapes
 from engine.model.llama import LlamaModel
 from engine.model.weights import LoadedWeights
 
@@ -24,7 +25,7 @@ def _zero_centred(name: str) -> bool:
                           "k_norm.weight")) or name == "model.norm.weight"
 
 
-class GatedAttentionLayer:
+class GatedAttentionLayer(GatedMLP):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str):
         p = prefix + "self_attn."
         self.cfg = cfg
@@ -33,8 +34,7 @@ class GatedAttentionLayer:
         self.o = Linear(w[p + "o_proj.weight"])
         self.q_norm, self.k_norm = w[p + "q_norm.weight"], w[p + "k_norm.weight"]
         self.rotated = int(cfg.head_dim * cfg.partial_rotary)
-        self.gate_up = Linear(fuse([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]]))
-        self.down = Linear(w[prefix + "mlp.down_proj.weight"])
+        self.init_mlp(cfg, w, prefix)
         self.cache_spec = AttentionSpec(cfg.num_kv_heads, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, ordinal: int, batch: ForwardBatch,
@@ -57,7 +57,7 @@ class GatedAttentionLayer:
         x = self.o(attn.reshape(-1, hq * hd) * torch.sigmoid(gate))
         residual = residual + x
         h = rms_norm(residual, self.post_norm, cfg.rms_eps)
-        return self.down(silu_and_mul(self.gate_up(h))), residual
+        return self.mlp(h), residual
 
 
 class Qwen35Model(LlamaModel):
@@ -74,10 +74,8 @@ class Qwen35Model(LlamaModel):
 
     @classmethod
     def layer_shapes(cls, kind: str, cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
-        h, inter = cfg.hidden_size, cfg.intermediate_size
-        shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                  p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
-                  p + "mlp.down_proj.weight": (h, inter)}
+        h = cfg.hidden_size
+        shapes = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)} | mlp_shapes(cfg, p)
         if kind == "recurrent":
             return shapes | gdn_shapes(cfg, p)
         a, hd = p + "self_attn.", cfg.head_dim

@@ -19,9 +19,10 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 def write_gguf(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int = 32, heads: int = 4,
                kv_heads: int = 2, context: int = 2048, vocab: int = 64, dtype=np.float32, pad_mib: int = 0,
-               split_max_tensors: int = 0) -> Path:
+               split_max_tensors: int = 0, experts: int = 0) -> Path:
     """A tiny GGUF file with real metadata and tensors (random weights); ``pad_mib`` adds a tensor of that size;
-    ``split_max_tensors``: split the way llama.cpp splits (path-00001-of-0000N.gguf ...; part 1's path returned)."""
+    ``split_max_tensors``: split the way llama.cpp splits (path-00001-of-0000N.gguf ...; part 1's path returned);
+    ``experts``: an ``{arch}.expert_count`` key (the tensors stay dense)."""
     rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_name(path.stem)
@@ -31,6 +32,8 @@ def write_gguf(path: Path, arch: str = "llama", *, layers: int = 2, hidden: int 
     w.add_feed_forward_length(hidden * 2)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
+    if experts:
+        w.add_expert_count(experts)
     w.add_tokenizer_model("gpt2")
     w.add_token_list([f"t{i}" for i in range(vocab)])
     head_dim = hidden // heads

@@ -111,3 +111,22 @@ def test_last_use_is_recorded_per_model_file(tmp_path, monkeypatch):
     assert listed["unused.gguf"].last_used is None
     usage.record(used, when=1000.0)
     assert usage.last_used(link) == 1000.0 and usage.usage_file() == tmp_path / "home" / "data" / "last-used.json"
+
+
+def test_experts_are_supported_where_the_engine_runs_them(tmp_path):
+    """A qwen35moe file (Qwen3.5/3.6-MoE) is listed as runnable and gets a fit mark from its header; a file with
+    experts in an architecture whose MoE layers the engine does not run (a Mixtral as 'llama') is not."""
+    from engine.library import fit
+    from engine.library.header import read_local_header
+    from engine.library.local import describe
+    from tests.engine.qwen35_moe_models import tiny_moe_checkpoint, write_moe_gguf
+
+    hf, _ = tiny_moe_checkpoint(tmp_path / "folder")
+    moe = write_moe_gguf(hf, tmp_path / "Tiny-MoE-F32.gguf")
+    fields = write_gguf(tmp_path / "Mixtral-F32.gguf", experts=8)
+    assert describe(moe, "folder", moe.name).supported
+    assert not describe(fields, "folder", fields.name).supported
+    marked = fit.mark_header(read_local_header(moe), moe.name, vram_mib=0, ram_mib=8000)
+    assert marked.mark != fit.UNSUPPORTED, marked.detail
+    refused = fit.mark_header(read_local_header(fields), fields.name, vram_mib=0, ram_mib=8000)
+    assert refused.mark == fit.UNSUPPORTED and "mixture-of-experts" in refused.detail

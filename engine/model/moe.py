@@ -1,0 +1,145 @@
+"""Mixture-of-experts MLPs (Qwen3.5/3.6-MoE, Qwen3-Next): a router picks `top_k` of `num_experts` SwiGLU experts per
+token, and a shared expert, scaled by a sigmoid gate, runs for every token.
+
+Routing as transformers' Qwen3_5MoeTopKRouter and llama.cpp's build_moe_ffn: logits = x @ gate.T, a float32 softmax
+over all experts, the top k, divided by their sum (`norm_topk`). The router and the shared gate are kept float32
+whatever the model's dtype (a bf16 router flips near-tied experts). Each expert is two of our Linear layers (fused
+gate|up, down), so low-bit formats and GGUF types reach experts as they reach every other weight.
+
+Compute reads only what the tokens use: one token runs its k experts; a batch of tokens is grouped by expert, one
+matmul per expert that any token picked, its rows scattered back weighted (index_add), never one per token."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.config import ModelConfig
+from engine.model.layers import silu_and_mul
+from engine.model.linear import Linear, fuse
+
+
+def moe_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of one MoE MLP under HF names (experts one by one, as transformers' save_pretrained writes them)."""
+    m, h = cfg.moe, cfg.hidden_size
+    mlp = p + "mlp."
+    shapes = {mlp + "gate.weight": (m.num_experts, h)}
+    for e in range(m.num_experts):
+        x = f"{mlp}experts.{e}."
+        shapes |= {x + "gate_proj.weight": (m.expert_size, h), x + "up_proj.weight": (m.expert_size, h),
+                   x + "down_proj.weight": (h, m.expert_size)}
+    if m.shared_size:
+        s = mlp + "shared_expert."
+        shapes |= {s + "gate_proj.weight": (m.shared_size, h), s + "up_proj.weight": (m.shared_size, h),
+                   s + "down_proj.weight": (h, m.shared_size), mlp + "shared_expert_gate.weight": (1, h)}
+    return shapes
+
+
+def dense_mlp_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    return {p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter)}
+
+
+def mlp_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """The MLP tensors of the layer under prefix `p`: the experts where the config makes it a MoE layer, else the
+    dense gated MLP. A block outside model.layers (the MTP block, p = "") is MoE where every layer of the model is."""
+    if p.startswith("model.layers."):
+        moe = cfg.is_moe(int(p.split(".")[2]))
+    else:
+        moe = cfg.moe is not None and len(set(cfg.moe.layers)) == cfg.num_layers
+    return moe_shapes(cfg, p) if moe else dense_mlp_shapes(cfg, p)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) from router logits [T, E]."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+class Expert:
+    """One SwiGLU expert (also the shared expert): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, w: dict, prefix: str):
+        self.gate_up = Linear(fuse([w[prefix + "gate_proj.weight"], w[prefix + "up_proj.weight"]]))
+        self.down = Linear(w[prefix + "down_proj.weight"])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(silu_and_mul(self.gate_up(x)))
+
+    def linears(self) -> list[Linear]:
+        return [self.gate_up, self.down]
+
+
+class MoEMLP:
+    def __init__(self, cfg: ModelConfig, w: dict, prefix: str):
+        m, p = cfg.moe, prefix + "mlp."
+        self.top_k, self.renormalize = m.top_k, m.norm_topk
+        self.router = w[p + "gate.weight"].float()
+        self.experts = [Expert(w, f"{p}experts.{e}.") for e in range(m.num_experts)]
+        self.shared = Expert(w, p + "shared_expert.") if m.shared_size else None
+        self.shared_gate = w[p + "shared_expert_gate.weight"].float() if m.shared_size else None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        hf = h.float()
+        weights, ids = route(F.linear(hf, self.router), self.top_k, self.renormalize)
+        out = self._one_token(h, weights, ids) if h.shape[0] == 1 else self._grouped(h, weights, ids)
+        if self.shared is not None:
+            gate = torch.sigmoid(F.linear(hf, self.shared_gate)).to(h.dtype)
+            out = out + gate * self.shared(h)
+        return out
+
+    def _one_token(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        out = None
+        for j, e in enumerate(ids[0].tolist()):
+            y = self.experts[e](h) * weights[0, j].to(h.dtype)
+            out = y if out is None else out + y
+        return out
+
+    def _grouped(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = order // self.top_k  # the token of each (token, expert) pair, grouped by expert
+        scale = weights.reshape(-1)[order].to(h.dtype).unsqueeze(1)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        out = torch.zeros_like(h)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                sel = rows[start:start + n]
+                out.index_add_(0, sel, self.experts[e](h.index_select(0, sel)) * scale[start:start + n])
+                start += n
+        return out
+
+    def linears(self) -> list[Linear]:
+        """Every linear layer of the block (for the low-bit kernels' marking, engine.model.linear)."""
+        out = [lin for e in self.experts for lin in e.linears()]
+        return out + (self.shared.linears() if self.shared is not None else [])
+
+    def bytes_per_token(self) -> int:
+        """Bytes one token reads: the router, the shared expert and gate, and top_k experts (all of a size)."""
+        one = sum(lin.nbytes for lin in self.experts[0].linears())
+        shared = 0 if self.shared is None else sum(lin.nbytes for lin in self.shared.linears()) \
+            + self.shared_gate.numel() * 4
+        return self.router.numel() * 4 + shared + self.top_k * one
+
+    def nbytes(self) -> int:
+        return self.router.numel() * 4 + sum(lin.nbytes for lin in self.linears()) + \
+            (0 if self.shared_gate is None else self.shared_gate.numel() * 4)
+
+
+class GatedMLP:
+    """The MLP part of a decoder layer, dense or MoE: `self.moe` is the MoE block where the layer's tensors hold one
+    (its router's weight), else None and `gate_up` / `down` are the dense gated MLP (which the C++ decode steps
+    read)."""
+
+    def init_mlp(self, cfg: ModelConfig, w: dict, prefix: str) -> None:
+        self.moe = MoEMLP(cfg, w, prefix) if cfg.moe is not None and prefix + "mlp.gate.weight" in w else None
+        if self.moe is None:
+            self.gate_up = Linear(fuse([w[prefix + "mlp.gate_proj.weight"], w[prefix + "mlp.up_proj.weight"]]))
+            self.down = Linear(w[prefix + "mlp.down_proj.weight"])
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.moe(h) if self.moe is not None else self.down(silu_and_mul(self.gate_up(h)))
