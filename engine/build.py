@@ -19,6 +19,7 @@ from engine.hardware import resolve_device
 from engine.errors import NInferError
 from engine.memory.geometry import PAGE_SIZE, state_slots, state_snapshots
 from engine.ledger import MIB, Ledger, ModelShape, build_ledger
+from engine.ledger.placement import fit_experts
 from engine.model.config import ModelConfig
 from engine.model.formats import pick_dtype, pick_kv_dtype, weight_format
 from engine.kernel_cache import use_kernel_cache
@@ -126,7 +127,40 @@ class LoadedModel:
 # the settings load_model reads: two engines over one LoadedModel must agree on them (the self-check ran with the KV
 # dtype; --cpu-compile, the weight dtype and the dense prompt path change the model's layers)
 MODEL_FIELDS = ("device", "threads", "weight_dtype", "kv_dtype", "prefill_cublas", "cpu_compile", "gdn_state_fp16",
-                "allow_lossy_format")
+                "allow_lossy_format", "cpu_moe", "n_cpu_moe", "fit")
+
+
+def experts_on_host(cfg: ModelConfig, device: torch.device, c: EngineConfig, path: Path) -> int:
+    """How many MoE layers keep their experts in host memory (--cpu-moe: all; --n-cpu-moe N: the first N, at most
+    all; neither, on a GPU: what --fit plans); 0 where the setting has nothing to move (the model runs on the CPU, or
+    has no MoE layers: said once)."""
+    asked = "--cpu-moe" if c.cpu_moe else f"--n-cpu-moe {c.n_cpu_moe}" if c.n_cpu_moe else ""
+    name = path.name
+    if not asked:
+        return fitted_experts(cfg, device, c, path) if c.fit and cfg.moe is not None and device.type == "cuda" else 0
+    if cfg.moe is None:
+        log.warning("%s has no effect: %s has no mixture-of-experts layers.", asked, name)
+        return 0
+    if device.type == "cpu":
+        log.info("%s: the model runs on the CPU, its experts are in host memory already.", asked)
+        return 0
+    layers = len(cfg.moe.layers)
+    if c.n_cpu_moe > layers and not c.cpu_moe:
+        log.info("--n-cpu-moe %d: %s has %d MoE layers; all of them keep their experts in host memory.",
+                 c.n_cpu_moe, name, layers)
+    return layers if c.cpu_moe else min(c.n_cpu_moe, layers)
+
+
+def fitted_experts(cfg: ModelConfig, device: torch.device, c: EngineConfig, path: Path) -> int:
+    """--fit (engine/ledger/placement.py) on the GPU memory free now; a model that cannot fit is refused."""
+    free = torch.cuda.mem_get_info(device)[0] // MIB
+    plan = fit_experts(ModelShape.from_path(path), c, vram_mib=free, ram_mib=psutil.virtual_memory().available // MIB)
+    if plan.host_layers is None:
+        raise NInferError(f"{path.name} does not fit this GPU ({free} MiB free): {plan.why}",
+                          "Use a lower-bit file of the model, a shorter --max-context or a GPU with more memory; or "
+                          "run it on the CPU (--device cpu).")
+    log.info("--fit: %s", plan.why)
+    return plan.host_layers
 
 
 @in_own_thread
@@ -154,9 +188,16 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
                           f"{path.name} ({cfg.arch}) has no such layers.", "Drop --gdn-state-fp16 for this model.")
     options = {"state_fp16": True} if c.gdn_state_fp16 else {}
     options["cpu_compile"] = c.cpu_compile
+    host_experts = experts_on_host(cfg, dev, c, path)
+    if host_experts:
+        options["host_experts"] = host_experts
     net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto", **options)
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
-    if dev.type == "cpu" and c.cpu_compile != "off":
+    if host_experts:
+        moved = sum(net.layers[i].moe.expert_bytes() for i in net.host_layers)
+        log.info("experts of %d of %d MoE layers (%s) in host memory, computed on the CPU: %.0f MiB", host_experts,
+                 len(cfg.moe.layers), ", ".join(map(str, sorted(net.host_layers))), moved / 2**20)
+    if (dev.type == "cpu" or host_experts) and c.cpu_compile != "off":
         use_kernel_cache()
         done = use_cpu_kernel(net)
         if done is None:

@@ -30,6 +30,9 @@ class EngineConfig:
     cuda_graphs: str = _default("cuda_graphs")  # auto | on | off
     cpu_compile: str = _default("cpu_compile")  # auto | off
     gdn_state_fp16: bool = _default("gdn_state_fp16")
+    cpu_moe: bool = _default("cpu_moe")  # every MoE layer's experts in host memory, computed on the CPU
+    n_cpu_moe: int = _default("n_cpu_moe")  # the first N MoE layers' experts there
+    fit: bool = _default("fit")  # neither set: as few layers as make a MoE model fit (engine/ledger/placement.py)
     allow_lossy_format: bool = _default("allow_lossy_format")
     # how much it holds
     max_context: int = _default("max_context")  # 0: the model's (build_engine resolves it before the Engine runs)

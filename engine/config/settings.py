@@ -43,6 +43,9 @@ class Settings:
     max_context: int = _default("max_context")
     allow_lossy_format: bool = _default("allow_lossy_format")
     gdn_state_fp16: bool = _default("gdn_state_fp16")
+    cpu_moe: bool = _default("cpu_moe")  # every MoE layer's experts in host memory, computed on the CPU
+    n_cpu_moe: int = _default("n_cpu_moe")  # the first N MoE layers' experts there
+    fit: bool = _default("fit")  # neither set: as few layers as make a MoE model fit (engine/ledger/placement.py)
     # memory
     kv_capacity: int | str = _default("kv_capacity")
     kv_headroom_mib: int = _default("kv_headroom_mib")

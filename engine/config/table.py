@@ -174,6 +174,13 @@ SETTINGS: tuple[Setting, ...] = (
            "breaks the model (its predictions on a fixed text disagree with the file's own weights)."),
         _s("gdn_state_fp16", bool, False, "Keep the Gated-DeltaNet recurrent state in fp16 to save memory (it is "
            "computed in fp32; hybrid models only)."),
+        _s("cpu_moe", bool, False, "Keep the expert weights of every mixture-of-experts layer in host memory and "
+           "compute them on the CPU, the rest of the model on the GPU (MoE models on a GPU too small for them)."),
+        _s("n_cpu_moe", int, 0, "Keep the expert weights of the first N mixture-of-experts layers in host memory and "
+           "compute them on the CPU, the rest on the GPU; 0 keeps them all on the GPU.", minimum=0),
+        _s("fit", bool, True, "When a mixture-of-experts model does not fit the GPU and neither cpu_moe nor "
+           "n_cpu_moe is set, keep the experts of as few layers as needed in host memory (and the context at 4K "
+           "tokens or more); a model that cannot fit even so is refused before loading."),
     ),
     *_group(
         "memory",

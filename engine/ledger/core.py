@@ -16,7 +16,7 @@ from engine.ledger.shapes import ModelShape
 
 @dataclass(frozen=True)
 class LedgerLine:
-    key: str  # stable id: weights, draft, draft_kv, headroom, activations, state, kv, runtime, host_kv
+    key: str  # stable id: weights, host_experts, draft, draft_kv, headroom, activations, state, kv, runtime, host_kv
     name: str
     bytes: int
     device: str  # "gpu" or "host"
@@ -202,7 +202,12 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     weights = shape.weight_bytes(wdtype) if include_weights else 0
     what = f"{wdtype}, {shape.params / 1e9:.2f} B params" if wdtype != "auto" else \
         f"as stored: {shape.stored_format or 'bf16'}"
-    add("weights", f"weights ({what})", weights, note="" if include_weights else "already loaded")
+    host_moe = (shape.moe_layers if s["cpu_moe"] else min(int(s["n_cpu_moe"]), shape.moe_layers)) if on_gpu else 0
+    moved = shape.expert_bytes(wdtype, host_moe) if include_weights else 0
+    add("weights", f"weights ({what}{', less the host experts' if moved else ''})", weights - moved,
+        note="" if include_weights else "already loaded")
+    add("host_experts", f"experts of {host_moe} of {shape.moe_layers} MoE layers (host memory, computed on the "
+                        f"CPU: --{'cpu-moe' if s['cpu_moe'] else 'n-cpu-moe'})", moved, device="host")
     draft_bytes, draft_page_bytes, draft_name = 0, 0, ""
     if spec == "mtp":
         draft_bytes = round(shape.mtp_params() * shape.weight_bytes(wdtype) / max(shape.params, 1))
@@ -304,7 +309,7 @@ def _sum_text(lines: list[LedgerLine]) -> str:
 def _short(line: LedgerLine) -> str:
     return {"weights": "weights", "draft": "draft", "draft_kv": "draft KV", "headroom": "headroom",
             "activations": "activations", "state": "state", "kv": "KV", "runtime": "runtime",
-            "host_kv": "host KV"}.get(line.key, line.key)
+            "host_kv": "host KV", "host_experts": "host experts"}.get(line.key, line.key)
 
 
 _REMEDY = {
@@ -314,6 +319,21 @@ _REMEDY = {
     "state": "Use --gdn-state-fp16 or a lower --max-concurrency.",
     "draft_kv": "Use a smaller draft model or --spec mtp / ngram.",
 }
+
+
+def _experts_remedy(ledger: Ledger, excess: int) -> str:
+    """For a MoE model whose weights overflow the GPU: the --n-cpu-moe that moves at least `excess` bytes of experts
+    to host memory, where one does ("" otherwise)."""
+    shape, s = ledger.shape, ledger.settings
+    if not shape.moe_layers or ledger.kv_device != "gpu" or s["cpu_moe"]:
+        return ""
+    wdtype, now = str(s["weight_dtype"]), min(int(s["n_cpu_moe"]), shape.moe_layers)
+    moved = shape.expert_bytes(wdtype, now)
+    for n in range(now + 1, shape.moe_layers + 1):
+        if shape.expert_bytes(wdtype, n) - moved >= excess:
+            return (f"Use --n-cpu-moe {n} (the experts of {n} of {shape.moe_layers} MoE layers in host memory, "
+                    f"computed on the CPU) or --fit; or: ")
+    return ""
 
 
 def _check(ledger: Ledger, layout: KVLayout) -> None:
@@ -345,6 +365,7 @@ def _check(ledger: Ledger, layout: KVLayout) -> None:
             problems.append(LedgerProblem(
                 "error", "weights", f"{head}: the weights line alone ({_gib(weights.bytes)}) exceeds the "
                                     f"{_gib(after_headroom)} left after the headroom.",
+                _experts_remedy(ledger, weights.bytes - after_headroom) +
                 (f"Use a lower-bit --weight-dtype ({alts} for this model) or a smaller model" if alts else
                  "Use a smaller model (or a GPU with more memory)")
                 + (", or lower --kv-headroom-mib." if weights.bytes <= budget else ".")))

@@ -58,6 +58,9 @@ class ModelShape:
     spec_state_bytes: int | None = None
     recurrent_layers: int = 0  # layers with a recurrent state other than Gated-DeltaNet (from the model's specs)
     weight_bytes_by_dtype: Mapping[str, int] = field(default_factory=dict)
+    moe_layers: int = 0  # layers whose MLP is a mixture of experts
+    expert_params: int = 0  # their routed experts' parameters, all MoE layers together (what --n-cpu-moe moves)
+    experts: tuple[int, int] = (0, 0)  # (experts per MoE layer, experts a token runs)
 
     # -- constructors
     @classmethod
@@ -73,12 +76,16 @@ class ModelShape:
         if n is not None and linear_layers:
             linear = LinearAttention(linear_layers, n.num_v_heads, n.head_k_dim, n.head_v_dim, n.conv_dim,
                                      n.conv_kernel)
+        moe = getattr(cfg, "moe", None)
+        moe_fields = {} if moe is None else {
+            "moe_layers": len(moe.layers), "experts": (moe.num_experts, moe.top_k),
+            "expert_params": len(moe.layers) * moe.num_experts * 3 * cfg.hidden_size * moe.expert_size}
         return cls(name=cfg.name or cfg.arch, layers=cfg.num_layers, full_attention_layers=cfg.attention_layers,
                    kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, hidden=cfg.hidden_size, vocab=cfg.vocab_size,
                    params=params or cfg.num_parameters(), heads=cfg.num_heads, intermediate=cfg.intermediate_size,
                    max_position=cfg.max_position, stored_bytes=stored_bytes, stored_format=stored_format,
                    source=source, linear=linear, mtp_layers=mtp_layers, recurrent_layers=len(recurrent),
-                   spec_state_bytes=sum(s.nbytes for s in recurrent) if recurrent else None)
+                   spec_state_bytes=sum(s.nbytes for s in recurrent) if recurrent else None, **moe_fields)
 
     @classmethod
     def synthetic(cls, name: str) -> "ModelShape":
@@ -128,6 +135,13 @@ class ModelShape:
         if dtype in self.weight_bytes_by_dtype:
             return int(self.weight_bytes_by_dtype[dtype])
         return int(self.params * WEIGHT_BITS[dtype] / 8)
+
+    def expert_bytes(self, dtype: str = "auto", layers: int | None = None) -> int:
+        """The routed experts' share of weight_bytes(dtype), of `layers` MoE layers (default: all of them)."""
+        if not self.moe_layers or not self.params:
+            return 0
+        n = self.moe_layers if layers is None else min(layers, self.moe_layers)
+        return round(self.weight_bytes(dtype) * self.expert_params / self.params * n / self.moe_layers)
 
     def mtp_params(self) -> int:
         """One decoder layer (attention + MLP) and the 2h -> h projection; embeddings and lm_head are shared."""

@@ -69,7 +69,7 @@ class LlamaModel:
         cpu_compile: --cpu-compile (engine/model/head.py)."""
         cfg = self.cfg = weights.config
         self.dtype, self.device, self.weight_format = dtype, device, weight_format or str(dtype).split(".")[-1]
-        w = {name: convert(name, t, weight_format, dtype, device, keep_native)
+        w = {name: convert(name, t, weight_format, *self.placement(name, dtype, device), keep_native)
              for name, t in weights.tensors.items() if name != "rope_freqs"}
         self.embed = w["model.embed_tokens.weight"]
         head = w.get("lm_head.weight")
@@ -83,6 +83,10 @@ class LlamaModel:
                              device)
         self.keep_hidden = False  # set by MTP drafting (engine.speculative.mtp): it reads every last hidden state
         self.hidden: torch.Tensor | None = None  # then: [T, hidden] before the final norm, for the last batch
+
+    def placement(self, name: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.device]:
+        """The dtype and device tensor `name` is kept in: the model's (Qwen35Model keeps host experts elsewhere)."""
+        return dtype, device
 
     @classmethod
     def expected_shapes(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

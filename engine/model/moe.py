@@ -81,15 +81,24 @@ class MoEMLP:
         self.experts = [Expert(w, f"{p}experts.{e}.") for e in range(m.num_experts)]
         self.shared = Expert(w, p + "shared_expert.") if m.shared_size else None
         self.shared_gate = w[p + "shared_expert_gate.weight"].float() if m.shared_size else None
+        self.host = False  # the routed experts live in host memory (--n-cpu-moe): computed there, in host_dtype
+        self.host_dtype = torch.float32
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        hf = h.float()
-        weights, ids = route(F.linear(hf, self.router), self.top_k, self.renormalize)
-        out = self._one_token(h, weights, ids) if h.shape[0] == 1 else self._grouped(h, weights, ids)
-        if self.shared is not None:
-            gate = torch.sigmoid(F.linear(hf, self.shared_gate)).to(h.dtype)
-            out = out + gate * self.shared(h)
-        return out
+        weights, ids = route(F.linear(h.float(), self.router), self.top_k, self.renormalize)
+        if not self.host:
+            out = self._routed(h, weights, ids)
+            return out if self.shared is None else out + self._shared(h)
+        x, weights, ids = h.to("cpu", self.host_dtype), weights.cpu(), ids.cpu()
+        shared = None if self.shared is None else self._shared(h)  # queued on the device while the CPU computes
+        out = self._routed(x, weights, ids).to(h.device, h.dtype)
+        return out if shared is None else out + shared
+
+    def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self._one_token(h, weights, ids) if h.shape[0] == 1 else self._grouped(h, weights, ids)
+
+    def _shared(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(h.float(), self.shared_gate)).to(h.dtype) * self.shared(h)
 
     def _one_token(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         out = None
@@ -117,6 +126,10 @@ class MoEMLP:
         """Every linear layer of the block (for the low-bit kernels' marking, engine.model.linear)."""
         out = [lin for e in self.experts for lin in e.linears()]
         return out + (self.shared.linears() if self.shared is not None else [])
+
+    def expert_bytes(self) -> int:
+        """The routed experts' bytes (what --n-cpu-moe moves to host memory)."""
+        return sum(lin.nbytes for e in self.experts for lin in e.linears())
 
     def bytes_per_token(self) -> int:
         """Bytes one token reads: the router, the shared expert and gate, and top_k experts (all of a size)."""

@@ -14,7 +14,7 @@ from engine.batch import ForwardBatch
 from engine.model.config import ModelConfig
 from engine.model.gdn import GDNLayer, gdn_shapes
 from engine.model.layers import Rotary, paged_attention, rms_norm
-from engine.model.linear import Linear, fuse
+from engine.model.linear import LOW_BIT, Linear, fuse
 from engine.model.moe import GatedMLP, mlp_shapes
 from engine.model.llama import LlamaModel
 from engine.model.weights import LoadedWeights
@@ -62,15 +62,34 @@ class GatedAttentionLayer(GatedMLP):
 
 class Qwen35Model(LlamaModel):
     def __init__(self, weights: LoadedWeights, dtype: torch.dtype, device: torch.device, weight_format: str = "",
-                 keep_native: bool = False, cpu_compile: str = "auto", state_fp16: bool = False):
+                 keep_native: bool = False, cpu_compile: str = "auto", state_fp16: bool = False,
+                 host_experts: int = 0):
         """`state_fp16` (--gdn-state-fp16): the delta-rule state is stored in fp16 (half the bytes); it is computed
-        in fp32, and its read-out stays fp32 until the gated norm."""
+        in fp32, and its read-out stays fp32 until the gated norm. `host_experts` (--n-cpu-moe): the routed experts
+        of the first that many MoE layers stay in host memory and are computed on the CPU
+        (engine/model/moe.py, in host_dtype); their router and shared expert stay with the model."""
         self.state_dtype = "float16" if state_fp16 else "float32"
+        moe = weights.config.moe
+        self.host_layers = frozenset(sorted(moe.layers)[:host_experts]) if moe is not None else frozenset()
         tensors = {n: (1.0 + t.float()) if _zero_centred(n) else t for n, t in weights.tensors.items()}
         super().__init__(LoadedWeights(weights.config, tensors, weights.source_format, weights.storage), dtype,
                          device, weight_format, keep_native, cpu_compile)
         cfg = self.cfg
         self.rotary = Rotary(int(cfg.head_dim * cfg.partial_rotary), cfg.rope_theta, cfg.rope_scaling, None, device)
+        for i in self.host_layers:
+            self.layers[i].moe.host, self.layers[i].moe.host_dtype = True, self.host_dtype
+
+    def placement(self, name: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, torch.device]:
+        layer = name.split(".")[2] if name.startswith("model.layers.") and ".mlp.experts." in name else None
+        if layer is not None and int(layer) in self.host_layers:
+            return self.host_dtype, torch.device("cpu")
+        return dtype, device
+
+    @property
+    def host_dtype(self) -> torch.dtype:
+        """What host experts compute in: float32 beside low-bit weights (the CPU kernels take float32), else the
+        model's dtype (a bf16 model's experts stay bf16 in host memory: half the bytes of float32)."""
+        return torch.float32 if self.weight_format in LOW_BIT else self.dtype
 
     @classmethod
     def layer_shapes(cls, kind: str, cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
