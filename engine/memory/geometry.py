@@ -220,5 +220,6 @@ def pads(max_batch: int) -> bool:
 
 
 def state_snapshots(max_concurrency: int, prefix_reuse: bool) -> int:
-    """Recurrent-state snapshots kept for prefix reuse: as many as sequences run at once (none without reuse)."""
-    return max_concurrency if prefix_reuse else 0
+    """Recurrent-state snapshots kept for prefix reuse: two for each sequence that runs at once, the deepest within
+    its prompt and the deepest of all (engine/memory/state.py); none without reuse."""
+    return 2 * max_concurrency if prefix_reuse else 0

@@ -9,8 +9,9 @@ forward. So:
   step's start: the next step recomputes the kept tokens (their KV is rewritten with the same values). One spare
   slot per speculating sequence, not one per draft token (a Qwen3.5-27B state is ~147 MiB);
 - prefix reuse: at the deepest page boundary each step reaches, the state there is saved as a snapshot keyed like
-  the prefix cache's pages (engine.memory.kv.prefix.page_key over the tokens so far); a sequence keeps only its deepest
-  one. Admission may reuse cached KV pages only as deep as the deepest snapshot among them; the snapshot is copied
+  the prefix cache's pages (engine.memory.kv.prefix.page_key over the tokens so far); a sequence keeps two: the
+  deepest within its prompt (the same prompt sent again: a regenerated answer, another sampling) and the deepest of
+  all (the next turn of the conversation, which holds the answer). Admission may reuse cached KV pages only as deep as the deepest snapshot among them; the snapshot is copied
   into the new sequence's slot. A cached prefix without a snapshot is recomputed, and counted
   (state_snapshot_misses) and logged, never silently used;
 - snapshots live in host memory (page-locked on CUDA), outside the pool: at most `max_snapshots` of them, least
@@ -108,6 +109,7 @@ class SeqState:
     saves: list[tuple[int, Snapshot]] = field(default_factory=list)  # this step: the state after token i, saved
     snaps: list[tuple[int, bytes, Snapshot]] = field(default_factory=list)  # this step: (position, key, buffer)
     snapshot: bytes | None = None  # the key of the deepest snapshot this sequence left
+    prompt_snapshot: bytes | None = None  # ... and of the deepest within its prompt (may be the same)
 
 
 class StateMemory:
@@ -204,19 +206,27 @@ class StateMemory:
         return snap
 
     def computed(self, seq) -> None:
-        """After the step: a snapshot of a position the sequence kept is stored, replacing the sequence's shallower
-        one (a later request reuses the deepest prefix it shares); the others' buffers are spared."""
+        """After the step: a snapshot of a position the sequence kept is stored; it replaces the sequence's
+        shallower deepest one, and within the prompt its shallower prompt one (a later request reuses the deepest
+        prefix it shares); the others' buffers are spared."""
         st = seq.memory.state
         self._pending -= len(st.snaps)
         for pos, key, snap in st.snaps:
             if pos <= seq.num_computed and key not in self._snapshots:
-                if st.snapshot in self._snapshots:
-                    self._spare.append(self._snapshots.pop(st.snapshot))
+                in_prompt = pos <= len(seq.prompt)
+                self._drop(st.snapshot, keep=None if in_prompt else st.prompt_snapshot)
+                if in_prompt:
+                    self._drop(st.prompt_snapshot)
+                    st.prompt_snapshot = key
                 self._snapshots[key], st.snapshot = snap, key
                 self.counters["state_snapshots_taken"] += 1
             else:
                 self._spare.append(snap)
         st.snaps, st.saves = [], []
+
+    def _drop(self, key: bytes | None, keep: bytes | None = None) -> None:
+        if key is not None and key != keep and key in self._snapshots:
+            self._spare.append(self._snapshots.pop(key))
 
     def rollback(self, seq) -> None:
         """After a verification step that rejected drafts: the checkpoint goes back into the sequence's slot, and

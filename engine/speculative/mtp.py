@@ -111,7 +111,9 @@ class MTPModule:
     def __init__(self, target, w: MTPWeights, lm_head_draft: bool):
         check_mtp_shapes(w, target)
         dev, dt = target.device, target.dtype
-        self.cfg = replace(target.cfg, num_layers=1, layer_kinds=("attention",))
+        moe = target.cfg.moe  # the block's MLP is MoE where the model's every layer is (engine/model/moe.py)
+        self.cfg = replace(target.cfg, num_layers=1, layer_kinds=("attention",),
+                           moe=moe and replace(moe, layers=(0,) if "mlp.gate.weight" in w.layer else ()))
         self.device, self.dtype = dev, dt
         self.embed, self.rotary = target.embed, target.rotary
         self.target_norm = target.norm

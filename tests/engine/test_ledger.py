@@ -158,13 +158,14 @@ def _seed2(shape, **kw):
 def test_ternary_rk4v4_on_12_gib_room_for_pages(qwen):
     """6.70 GiB ternary weights + rk4v4 KV on 12 GiB with 1024 MiB headroom (defaults otherwise: prefill chunk
     512, fp32 state, prefix reuse on): 12288 - 6861 - 1024 - 81 (activations) - 147 (the sequence's state,
-    engine.memory.geometry.state_slots; its prefix snapshot is in host memory) = 4175 MiB = 3711 pages of 1.125 MiB
+    engine.memory.geometry.state_slots; its prefix snapshots are in host memory) = 4175 MiB = 3711 pages of 1.125 MiB
     (237,504 tokens); auto caps the pool at max_context x 1 = 2048 pages, so 128K stays wholly on the GPU."""
     led = build_ledger(qwen, dict(weight_dtype="ternary", kv_dtype="rk4v4", max_context=131072, max_concurrency=1),
                        vram_mib=12288, ram_mib=15360)
     assert led.kv_pages_fit == pytest.approx(3711, abs=40)
     assert led.line("state").bytes == qwen.state_bytes()
-    assert led.line("state_snapshots").bytes == qwen.state_bytes() and led.line("state_snapshots").device == "host"
+    snapshots = led.line("state_snapshots")  # the deepest within the prompt and the deepest of all
+    assert snapshots.bytes == 2 * qwen.state_bytes() and snapshots.device == "host"
     assert led.gpu_pages == led.kv_pages_wanted == 2048
     assert led.kv_capacity_tokens == 131072 and led.reach_tokens == 131072
     assert led.fits and led.spare("gpu") > 0

@@ -236,9 +236,9 @@ def test_a_hybrid_folder_builds_and_the_ledger_counts_what_the_engine_allocates(
         assert ledger.page_bytes == runner.kv.page_bytes  # KV of the two attention layers only
         assert runner.state.num_slots == 3  # three sequences
         assert ledger.line("state").bytes == runner.state.num_slots * runner.state.slot_bytes
-        snaps = ledger.line("state_snapshots")  # up to three prefix snapshots (reuse is on), on the host
-        assert snaps.device == "host" and snaps.bytes == 3 * runner.state.slot_bytes
-        assert loaded.engine.memory.state.max_snapshots == 3
+        snaps = ledger.line("state_snapshots")  # up to two prefix snapshots a sequence (reuse is on), on the host
+        assert snaps.device == "host" and snaps.bytes == 6 * runner.state.slot_bytes
+        assert loaded.engine.memory.state.max_snapshots == 6
         assert "2 linear layers" in ledger.line("state").name
         tokens = loaded.engine.start().generate(prompt(70, 90), greedy(6))
         assert tokens == reference_greedy(weights, prompt(70, 90), 6)
