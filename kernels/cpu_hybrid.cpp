@@ -9,7 +9,8 @@
 // float32 arithmetic: S <- e^g S; delta = beta (v - S^T k); S <- S + k delta^T; o = S^T q), the gated RMSNorm times
 // silu(z), out_proj. A gated attention layer: the fused q|gate, k, v GEMV, per-head q/k norms, RoPE on the first
 // `rotated` dims of each head, the K/V write, attention over the row's pages, times sigmoid(gate), o_proj. Then each
-// layer's MLP; then the final norm.
+// layer's MLP: dense, or a mixture of experts (kernels/cpu_moe.cpp) where `moe_at` gives the layer's first entry of
+// `moe_weights`; then the final norm.
 namespace {
 
 constexpr int64_t HYB_PER_LAYER = 18;  // entries of `weights` a layer takes, in this order (3 per linear):
@@ -135,7 +136,9 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
                        at::TensorList v_cache, at::TensorList conv_states, at::TensorList ssm_states,
                        const at::Tensor& state_slots, const at::Tensor& cos, const at::Tensor& sin,
                        const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& page_table,
-                       const at::Tensor& ctx_lens, at::IntArrayRef dims, double eps_) {
+                       const at::Tensor& ctx_lens, at::IntArrayRef dims, double eps_,
+                       const c10::List<std::optional<at::Tensor>>& moe_weights, at::IntArrayRef moe_at,
+                       at::IntArrayRef moe_syms, at::IntArrayRef moe_dims) {
   TORCH_CHECK(dims.size() == 9, "hybrid_step: dims are (heads, kv_heads, head_dim, rotated, hk, hv, dk, dv, kernel)");
   const int64_t L = kinds.size(), B = x_.size(0), H = x_.size(1);
   TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat && x_.is_contiguous(),
@@ -187,24 +190,34 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
               "hybrid_step: the final norm must be float32 [hidden]");
   const float eps = static_cast<float>(eps_), scale = 1.f / std::sqrt(static_cast<float>(D));
 
+  TORCH_CHECK(moe_at.empty() || (static_cast<int64_t>(moe_at.size()) == L && moe_dims.size() == 3),
+              "hybrid_step: moe_at names each layer's first MoE entry (-1: a dense MLP); moe_dims (experts, top_k, "
+              "renormalise)");
   std::vector<Linear> lin(4 * L);
-  int64_t widest = 0, inter = 0;
+  std::vector<MoeMlp> moe(L);
+  int64_t widest = 0, inter = 0, moe_layers = 0;
   for (int64_t l = 0; l < L; ++l) {
-    const bool gdn = kinds[l] == GDN;
+    const bool gdn = kinds[l] == GDN, is_moe = !moe_at.empty() && moe_at[l] >= 0;
     const int64_t base = l * HYB_PER_LAYER;
     auto read = [&](int64_t at_, int j, int64_t in) {
       return read_linear(weights, base + at_, -1, syms[4 * l + j] != 0, in, "hybrid_step", l);
     };
     lin[4 * l] = read(HY_MIX_IN, 0, H);
     lin[4 * l + 1] = read(HY_MIX_OUT, 1, gdn ? g.value_dim : QS);
-    lin[4 * l + 2] = read(HY_GU, 2, H);
-    const int64_t li = lin[4 * l + 2].out / 2;
-    TORCH_CHECK(lin[4 * l + 2].out % 2 == 0 && (!inter || li == inter), "hybrid_step: layer ", l, "'s MLP width");
-    inter = li;
-    lin[4 * l + 3] = read(HY_DOWN, 3, inter);
+    if (is_moe) {
+      const int64_t E = moe_dims[0];
+      moe[l] = read_moe(moe_weights, moe_at[l], moe_syms, moe_layers++ * (2 + 2 * E), E, moe_dims[1],
+                        moe_dims[2] != 0, H, l);
+    } else {
+      lin[4 * l + 2] = read(HY_GU, 2, H);
+      const int64_t li = lin[4 * l + 2].out / 2;
+      TORCH_CHECK(lin[4 * l + 2].out % 2 == 0 && (!inter || li == inter), "hybrid_step: layer ", l, "'s MLP width");
+      inter = li;
+      lin[4 * l + 3] = read(HY_DOWN, 3, inter);
+      TORCH_CHECK(lin[4 * l + 3].out == H, "hybrid_step: layer ", l, "'s MLP shapes disagree with dims");
+    }
     TORCH_CHECK(lin[4 * l].out == (gdn ? g.conv_dim + g.value_dim + 2 * g.hv : 2 * QS + 2 * KS) &&
-                lin[4 * l + 1].out == H && lin[4 * l + 3].out == H, "hybrid_step: layer ", l,
-                "'s shapes disagree with dims");
+                lin[4 * l + 1].out == H, "hybrid_step: layer ", l, "'s shapes disagree with dims");
     vec(weights, base + HY_IN_NORM, H, l), vec(weights, base + HY_POST_NORM, H, l);
     if (gdn) {
       vec(weights, base + HY_A, g.conv_dim * g.kernel, l), vec(weights, base + HY_B, g.hv, l);
@@ -251,7 +264,14 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
       for (int64_t i = 0; i < B * QS; ++i) attn[i] *= 1.f / (1.f + std::exp(-gate[i]));
       ++attn_at;
     }
-    finish_layer(li, attn.data(), w(l, HY_POST_NORM), B, H, inter, eps, r, h.data(), big.data());
+    if (moe[l].router) {
+      li[1].run(attn.data(), B, big.data());
+      for (int64_t i = 0; i < B * H; ++i) r[i] += big[i];
+      for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, w(l, HY_POST_NORM), H, eps, h.data() + b * H);
+      moe_rows(moe[l], h.data(), B, H, r);
+    } else {
+      finish_layer(li, attn.data(), w(l, HY_POST_NORM), B, H, inter, eps, r, h.data(), big.data());
+    }
   }
   for (int64_t b = 0; b < B; ++b) rms_row(r + b * H, final_norm.data_ptr<float>(), H, eps, out.data_ptr<float>() + b * H);
   return out;
@@ -262,6 +282,7 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def("hybrid_step(Tensor x, Tensor?[] weights, int[] kinds, int[] syms, Tensor final_norm, Tensor[] k_cache, "
         "Tensor[] v_cache, Tensor[] conv_states, Tensor[] ssm_states, Tensor state_slots, Tensor cos, Tensor sin, "
-        "Tensor positions, Tensor slots, Tensor page_table, Tensor ctx_lens, int[] dims, float eps) -> Tensor");
+        "Tensor positions, Tensor slots, Tensor page_table, Tensor ctx_lens, int[] dims, float eps, "
+        "Tensor?[] moe_weights, int[] moe_at, int[] moe_syms, int[] moe_dims) -> Tensor");
   m.impl("hybrid_step", c10::DispatchKey::CPU, &hybrid_step);
 }

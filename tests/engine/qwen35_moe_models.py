@@ -39,6 +39,23 @@ def tiny_moe_checkpoint(folder: Path, seed: int = 0, **overrides):
     return hf, save_for_engine(hf, folder)
 
 
+@torch.no_grad()
+def tiny_qwen3_next_moe(folder: Path, norm_topk: bool):
+    """A seeded Qwen3NextForCausalLM with 5 experts, top 2, and dense MLPs in layers 1 and 5 (mlp_only_layers),
+    routers spread as tiny_moe_checkpoint's: (the transformers model, the folder)."""
+    from transformers import Qwen3NextForCausalLM
+    from tests.engine.test_qwen35_formats import qwen3_next_config
+
+    torch.manual_seed(4)
+    cfg = qwen3_next_config(num_experts=5, num_experts_per_tok=2, mlp_only_layers=[1, 5], norm_topk_prob=norm_topk)
+    hf = Qwen3NextForCausalLM._from_config(cfg, experts_implementation="eager").eval()
+    perturb(hf)
+    for name, p in hf.named_parameters():
+        if name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
+            p.normal_(0, 0.5)
+    return hf, save_for_engine(hf, folder)
+
+
 def fused_state(hf) -> dict[str, torch.Tensor]:
     """The model's tensors as the published Qwen3.5-MoE files hold them: experts as 3-D gate_up_proj / down_proj,
     under the multimodal checkpoint's model.language_model. prefix."""

@@ -21,7 +21,7 @@ from engine.sampling import SamplingParams
 from kernels.quant import QuantizedWeight
 from tests.engine.helpers import hf_logits, rel_err, run_concurrently, wait_idle
 from tests.engine.qwen35_models import VOCAB, perturb, save_for_engine
-from tests.engine.qwen35_moe_models import fused_state, tiny_moe_checkpoint, write_moe_gguf
+from tests.engine.qwen35_moe_models import fused_state, tiny_moe_checkpoint, tiny_qwen3_next_moe, write_moe_gguf
 
 CPU = torch.device("cpu")
 
@@ -145,19 +145,7 @@ def test_low_bit_experts_keep_a_float32_router(moe, model, fmt, bound):
 
 @pytest.fixture(scope="module", params=[True, False], ids=["renormalised", "not-renormalised"])
 def qwen3_next_moe(request, tmp_path_factory):
-    from transformers import Qwen3NextForCausalLM
-    from tests.engine.test_qwen35_formats import qwen3_next_config
-
-    torch.manual_seed(4)
-    cfg = qwen3_next_config(num_experts=5, num_experts_per_tok=2, mlp_only_layers=[1, 5],
-                            norm_topk_prob=request.param)
-    hf = Qwen3NextForCausalLM._from_config(cfg, experts_implementation="eager").eval()
-    perturb(hf)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith(("mlp.gate.weight", "mlp.shared_expert_gate.weight")):
-                p.normal_(0, 0.5)
-    return hf, save_for_engine(hf, tmp_path_factory.mktemp("next-moe") / "tiny-qwen3-next-moe")
+    return tiny_qwen3_next_moe(tmp_path_factory.mktemp("next-moe") / "tiny-qwen3-next-moe", request.param)
 
 
 def test_qwen3_next_moe_matches_transformers(qwen3_next_moe):

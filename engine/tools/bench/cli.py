@@ -164,7 +164,8 @@ def _run(args, command: str) -> int:
             del model
         elif peer_runs and not peer_error:
             cfg = loaded.config
-            kv_f16 = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # llama.cpp's default KV type
+            kv_layers = cfg.layer_kinds.count("attention") if cfg.layer_kinds else cfg.num_layers
+            kv_f16 = 2 * kv_layers * cfg.num_kv_heads * cfg.head_dim * 2  # llama.cpp's default KV type
             theirs = dict(summarise(peer_runs, len(prompt), args.gen_tokens, decode_bytes_per_token(
                 peer.weight_bytes, kv_f16, len(prompt), args.gen_tokens)), weight_bytes=peer.weight_bytes)
             ratio = ratios(ours, theirs)

@@ -58,6 +58,34 @@ def one_run(llm, prompt_ids: list[int], gen_tokens: int) -> dict:
     return dict(ttft_s=stamps[0] - t0, decode_s=stamps[-1] - stamps[0], tokens=tokens)
 
 
+def read_per_token(path: str | Path) -> int:
+    """Bytes of the file's tensors one decoded token reads, counted as NInfer's weight_bytes counts them: every
+    tensor but the token embedding (one row of it is read; unless the output layer is tied to it), and of stacked
+    experts (`*_exps`) the share a token routes to (expert_used_count of expert_count). The file's size where the
+    gguf package cannot read it."""
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+    except Exception:  # noqa: BLE001 (a file the package does not read: the old figure)
+        return Path(path).stat().st_size
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+
+    def field(key: str) -> int | None:
+        f = reader.fields.get(f"{arch}.{key}")
+        return None if f is None else int(f.parts[-1][0])
+
+    experts, used = field("expert_count"), field("expert_used_count")
+    names = {t.name for t in reader.tensors}
+    total = 0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue
+        share = used / experts if experts and used and "_exps." in t.name else 1.0
+        total += int(t.n_bytes * share)
+    return total
+
+
 def measure_runs(llm, prompt_ids: list[int], gen_tokens: int, repeat: int) -> list[dict]:
     """`repeat` runs after one warm-up run, which is not kept."""
     return [one_run(llm, prompt_ids, gen_tokens) for _ in range(repeat + 1)][1:]
@@ -66,7 +94,7 @@ def measure_runs(llm, prompt_ids: list[int], gen_tokens: int, repeat: int) -> li
 def bench_llamacpp(llm, prompt_ids: list[int], gen_tokens: int, repeat: int, summarise) -> dict:
     """The runs of `measure_runs` in this process, summarised (`summarise(runs, weight_bytes)`)."""
     runs = measure_runs(llm, prompt_ids, gen_tokens, repeat)
-    weight_bytes = Path(llm.model_path).stat().st_size
+    weight_bytes = read_per_token(llm.model_path)
     return dict(summarise(runs, weight_bytes), weight_bytes=weight_bytes)
 
 
@@ -75,7 +103,7 @@ class PeerProcess:
     naming the signal when the peer crashed, and what to do."""
 
     def __init__(self, path: Path, threads: int, context: int, prompt_ids: list[int], gen_tokens: int):
-        self.weight_bytes = Path(path).stat().st_size if Path(path).exists() else 0
+        self.weight_bytes = read_per_token(path) if Path(path).exists() else 0
         self._stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a chatty peer cannot block on it
         self.proc = subprocess.Popen(PEER_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, text=True)
