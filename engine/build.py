@@ -15,7 +15,7 @@ import torch
 from engine import selfcheck
 from engine.engine import Engine
 from engine.config.engine_config import EngineConfig
-from engine.hardware import resolve_device
+from engine.hardware import resolve_device, return_freed_memory
 from engine.errors import NInferError
 from engine.memory.geometry import PAGE_SIZE, state_slots, state_snapshots
 from engine.ledger import MIB, Ledger, ModelShape, build_ledger
@@ -23,7 +23,7 @@ from engine.ledger.placement import fit_experts
 from engine.model.config import ModelConfig
 from engine.model.formats import pick_dtype, pick_kv_dtype, weight_format
 from engine.kernel_cache import use_kernel_cache
-from engine.model.linear import LOW_BIT, PREFILL_DENSE_ROWS, dense_cpu_dtype, use_cpu_kernel
+from engine.model.linear import LOW_BIT, dense_cpu_dtype, dense_prefill_rows, use_cpu_kernel
 from engine.model.registry import build_model
 from engine.model.loader import load_weights
 from engine.model.weights import Progress
@@ -210,6 +210,9 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
     selfcheck.run(weights, net, fmt, kdtype, tokenizer, allow=c.allow_lossy_format)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights
+    freed = return_freed_memory()
+    if freed >= 64 * MIB:
+        log.info("memory: %.0f MiB the loading had freed handed back to the OS", freed / MIB)
     return LoadedModel(net, tokenizer, cfg, path, dev, wdtype, kdtype, fmt, c, storage, mtp_tensors,
                        time.perf_counter() - t0)
 
@@ -247,7 +250,7 @@ def assemble_engine(model: LoadedModel, config: EngineConfig | None = None, **se
                          max_batch=c.max_concurrency, cpu_step=c.cpu_compile == "step" and dev.type == "cpu",
                          cpu_fused=c.cpu_compile == "auto" and dev.type == "cpu")
     if dense_prefill:
-        log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s%s", PREFILL_DENSE_ROWS,
+        log.info("prefill: low-bit layers run chunks of %d+ rows as dense matmuls%s%s", dense_prefill_rows(dev),
                  f" in {str(dense_cpu_dtype()).split('.')[-1]}" if dev.type == "cpu" else "",
                  "" if fmt else " (the weights are dense: nothing to do)")
     speculator = make_speculator(c, target=net, runner=runner, tokenizer=model.tokenizer, target_path=model.path,

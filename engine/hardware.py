@@ -336,3 +336,25 @@ def resolve_device(requested: str = "auto", report: HardwareReport | None = None
         remedy = remedy.split("; the engine")[0].rstrip(".") + "."  # it will not fall back: it stops
         raise NInferError(f"{asked} {problem}", f'{remedy} Or use device "auto" or "cpu".')
     return report.device
+
+
+def return_freed_memory() -> int:
+    """Hands the heap memory freed since the last call back to the OS (glibc's malloc_trim; elsewhere nothing):
+    loading a model frees the stacked and decoded copies its tensors were made from, and glibc keeps such memory
+    in the process (a 0.56 GB MoE GGUF left 1.5 GB resident, 0.9 GB after). Returns the bytes of resident memory it
+    gave back (0 where it cannot)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c") if platform.system() == "Linux" else None
+    if not name:
+        return 0
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return 0
+    before = psutil.Process().memory_info().rss
+    trim(0)
+    return max(0, before - psutil.Process().memory_info().rss)

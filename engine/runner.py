@@ -16,7 +16,7 @@ from engine.model.cpu_hybrid import make as cpu_fused_step
 from engine.model.cpu_step import CompiledStep
 from engine.model.graphs import DecodeGraphs, resolve_cuda_graphs
 from engine.model.interrupt import Interrupt
-from engine.model.linear import PREFILL_DENSE_ROWS, enable_dense_prefill
+from engine.model.linear import dense_prefill_rows, enable_dense_prefill
 from kernels import dispatch
 
 log = logging.getLogger("ninfer.model")
@@ -40,7 +40,7 @@ class ModelRunner:
                  static_decode: bool = False, state_slots: int = 0, max_batch: int = 0, cpu_step: bool = False,
                  cpu_fused: bool = False):
         """`host_pages`: pages of the host KV tier (0: none); `host_pinned`: page-locked host memory on CUDA;
-        `prefill_cublas`: low-bit layers run chunks of PREFILL_DENSE_ROWS+ rows as dense matmuls (linear.DenseScratch);
+        `prefill_cublas`: low-bit layers run chunks of dense_prefill_rows+ rows as dense matmuls (linear.DenseScratch);
         `cuda_graphs` auto|on|off: decode steps replayed as CUDA graphs (engine/model/graphs.py); every decode step
         runs the same static forward, recorded or not; `static_decode`: run it uncaptured exactly as a graph would
         (power-of-two buckets, dummy rows, the page-table kernel's twin on the CPU): the tests of what graphs record;
@@ -63,7 +63,8 @@ class ModelRunner:
                               state_scratch=padded and pads(max_batch))
         self.kv, self.pool, self.host, self.state = self.pools.kv, self.pools.pages, self.pools.host, self.pools.state
         self.page_size = page_size
-        self.dense_prefill = enable_dense_prefill(model, PREFILL_DENSE_ROWS) if prefill_cublas else None
+        self.dense_prefill = (enable_dense_prefill(model, dense_prefill_rows(torch.device(model.device)))
+                              if prefill_cublas else None)
         # the CPU reads each row's pages as views (the page-table twin would gather them); where Triton runs (CUDA,
         # or the interpreter in the tests) the page-table kernel reads them in place
         device = torch.device(model.device)

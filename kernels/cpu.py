@@ -30,7 +30,12 @@ from kernels import cpu_native
 from kernels.quant import QuantizedWeight, codes, dequantize
 
 INT4PACK_GROUPS = (32, 64, 128, 256)
-NATIVE_ROWS = 8  # rows up to which a marked weight takes the C++ kernel (decode, verification of a draft)
+# rows up to which a marked weight takes the C++ kernel (decode, verification of a draft, an expert's rows of a
+# prompt); more go through the dense prompt path where it is on (engine/model/linear.dense_prefill_rows). Measured on a
+# 2-core AVX-512 Xeon (docs/KERNELS.md): the dense bf16 matmul wins from ~24 rows; below, for int8 the C++ kernel beats
+# ATen's packed kernel at every row count, for int4 the packed one is ~1.3x faster but keeps a second copy of each
+# weight it touches (a prompt over a MoE model's experts doubled its memory)
+NATIVE_ROWS = 24
 
 
 def has_int8pack() -> bool:

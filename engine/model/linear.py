@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_native, dispatch
+from kernels import cpu, cpu_native, dispatch
 from kernels.quant import QuantizedWeight, as_int8, dequantize, quantize_int4, quantize_int8, quantize_ternary
 
 log = logging.getLogger("ninfer.model")
@@ -24,6 +24,13 @@ FEW_ROWS, WIDE_OUT = 16, 16384  # see Linear.__call__
 # --prefill-cublas: rows from which a low-bit layer dequantizes and runs a dense matmul (CPU measurement in
 # docs/KERNELS.md: the crossover is 50-64 rows on SmolLM2's layers; on CUDA the kernels' own choice, not timed)
 PREFILL_DENSE_ROWS = 64
+
+
+def dense_prefill_rows(device: torch.device) -> int:
+    """Rows from which a low-bit layer takes the dense prompt path: on the CPU, right above the C++ kernel's rows
+    (kernels/cpu.NATIVE_ROWS), so no call reaches ATen's packed kernels and their second copy of the weight (a
+    mixture-of-experts prompt gives each expert a few dozen rows); elsewhere PREFILL_DENSE_ROWS."""
+    return cpu.NATIVE_ROWS + 1 if device.type == "cpu" else PREFILL_DENSE_ROWS
 
 
 def is_linear(name: str) -> bool:

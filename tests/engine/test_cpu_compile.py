@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.model.head import CompiledHead
-from engine.model.linear import PREFILL_DENSE_ROWS, Linear, enable_dense_prefill, use_cpu_kernel
+from engine.model.linear import Linear, dense_prefill_rows, enable_dense_prefill, use_cpu_kernel
 from engine.runner import Work
 from engine.sampling import SamplingParams
 
@@ -19,7 +19,7 @@ def engines(engine_for):
             for mode in ("auto", "off")}  # the "off" model is changed below: its own
     off = made["off"].engine.runner
     use_cpu_kernel(off.model)  # auto's decode kernel and dense prompt path, so that the output layer is the difference
-    off.dense_prefill = enable_dense_prefill(off.model, PREFILL_DENSE_ROWS)
+    off.dense_prefill = enable_dense_prefill(off.model, dense_prefill_rows(torch.device("cpu")))
     for le in made.values():
         le.engine.start()
     yield made

@@ -1,16 +1,18 @@
-"""--prefill-cublas: low-bit layers run prefill chunks (PREFILL_DENSE_ROWS+ rows) as dense matmuls over a weight
+"""--prefill-cublas: low-bit layers run prefill chunks (dense_prefill_rows+ rows) as dense matmuls over a weight
 dequantized into one shared scratch buffer; decode keeps the low-bit GEMV. Same logits within the stated tolerance,
 the same greedy tokens, and no memory per layer."""
 import pytest
 import torch
 
-from engine.model.linear import PREFILL_DENSE_ROWS, DenseScratch, Linear, dense_cpu_dtype
+from engine.model.linear import DenseScratch, Linear, dense_cpu_dtype, dense_prefill_rows
 from engine.model.llama import LlamaModel
 from engine.model.loader import load_weights
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams
 from kernels.quant import QuantizedWeight, dequantize, quantize
 from tests.engine.helpers import PAGE, make_engine, tiny_hf_model
+
+ROWS = dense_prefill_rows(torch.device("cpu"))  # the runners here are the CPU's
 
 # The low-bit kernels round activations, scales and zeros to bf16; the dense path multiplies in bf16 where the CPU
 # does so natively, else in float32 (exact products, linear.dense_cpu_dtype): their logits differ by bf16 rounding. Measured (relative Frobenius
@@ -65,7 +67,7 @@ def test_tiny_model_prefill_logits_agree(tmp_path, fmt, one_thread):
 
 def test_scratch_is_shared_and_reused(tmp_path, monkeypatch, one_thread):
     """One float32 buffer (and one bf16 where the CPU multiplies bf16 natively) for the whole model, sized for its largest layer, allocated once; chunks under
-    PREFILL_DENSE_ROWS rows (decode) never touch it; no dequantized weight is kept on any layer."""
+    ROWS rows (decode) never touch it; no dequantized weight is kept on any layer."""
     model = tiny_model(tmp_path, "int4")
     runner = ModelRunner(model, 8, torch.float32, PAGE, prefill_cublas=True)
     scratch = runner.dense_prefill
@@ -75,17 +77,17 @@ def test_scratch_is_shared_and_reused(tmp_path, monkeypatch, one_thread):
     real = DenseScratch.weight
     monkeypatch.setattr(DenseScratch, "weight", lambda self, qw, dt: calls.append(qw) or real(self, qw, dt))
     pages = runner.pool.allocate(4)
-    runner.run([Work(list(range(PREFILL_DENSE_ROWS - 1)), 0, pages)])  # below the threshold: the low-bit path
+    runner.run([Work(list(range(ROWS - 1)), 0, pages)])  # below the threshold: the low-bit path
     assert not calls and scratch.grown == 0
-    runner.run([Work(list(range(100, 100 + 2 * PREFILL_DENSE_ROWS)), 0, pages)])
+    runner.run([Work(list(range(100, 100 + 2 * ROWS)), 0, pages)])
     dtypes = {torch.float32, dense_cpu_dtype()}  # float32, and bf16 where this CPU multiplies bf16 natively
     assert len(calls) == len(linears) and scratch.grown == len(dtypes)
     biggest = max(lin.weight.out_features * lin.weight.in_features for lin in linears)
     assert {b.numel() for b in scratch.buffers.values()} == {biggest}
     assert set(scratch.buffers) == dtypes
     for step in range(3):  # later chunks and decode steps allocate nothing more
-        runner.run([Work(list(range(PREFILL_DENSE_ROWS)), 0, pages)])
-        runner.run([Work([5], PREFILL_DENSE_ROWS + step, pages)])
+        runner.run([Work(list(range(ROWS)), 0, pages)])
+        runner.run([Work([5], ROWS + step, pages)])
     assert scratch.grown == len(dtypes) and len(calls) == 4 * len(linears)
     assert all(not lin.weight.cache or all("dense" not in str(k) for k in lin.weight.cache) for lin in linears)
 
@@ -126,7 +128,7 @@ def test_default_model_greedy_tokens_identical(default_int4, prompt):
     model, _ = default_int4
     tok = Tokenizer.from_gguf(default_model_path())
     ids = tok.apply_chat_template([{"role": "user", "content": prompt}])
-    ids = (ids * (-(-PREFILL_DENSE_ROWS // len(ids))))[:max(len(ids), PREFILL_DENSE_ROWS)]
+    ids = (ids * (-(-ROWS // len(ids))))[:max(len(ids), ROWS)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     out = {}
     for dense in (False, True):
