@@ -337,14 +337,27 @@ at::Tensor lowbit_linear(const at::Tensor& x_, const at::Tensor& codes, const at
 // ---------------------------------------------------------------------------------------------------- dequantize_into
 // out [N, K] float32 = the weight lowbit_linear reads (codes, scales, mins as check_lowbit takes them), with
 // kernels.quant.dequantize's float32 operations in its order: (c - offset) * d, then + m, each rounded (never fused
-// into one multiply-add: the dense prompt path must see exactly the weight the file gives)
+// into one multiply-add: the dense prompt path must see exactly the weight the file gives); or bfloat16 [N, K], those
+// float32 values rounded as torch rounds them (to nearest, ties to even), in the same pass
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 #endif
-template <typename S>
+#if defined(__AVX2__)
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// 8 floats rounded to bfloat16 to nearest, ties to even (as torch's float -> bfloat16; weights hold no NaN)
+inline void store8(at::BFloat16* p, __m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i h = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+#endif
+
+template <typename S, typename O>
 void dequant_rows(const uint8_t* cp, const S* dp, const S* mp, bool four, bool sym, int64_t K, int64_t G, int64_t n0,
-                  int64_t n1, float* out) {
+                  int64_t n1, O* out) {
 #pragma STDC FP_CONTRACT OFF
   const int64_t groups = K / G, row_bytes = four ? K / 2 : K;
   const float offset = sym ? 8.f : 0.f;
@@ -370,7 +383,7 @@ void dequant_rows(const uint8_t* cp, const S* dp, const S* mp, bool four, bool s
           __m256 v = _mm256_cvtepi32_ps(four ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b));
           v = _mm256_mul_ps(_mm256_sub_ps(v, off), dv);
           if (mp) v = _mm256_add_ps(v, mv);
-          _mm256_storeu_ps(out + n * K + k + 8 * i, v);
+          store8(out + n * K + k + 8 * i, v);
         }
       }
       continue;
@@ -380,12 +393,12 @@ void dequant_rows(const uint8_t* cp, const S* dp, const S* mp, bool four, bool s
         c[j] = four ? static_cast<float>((row[k / 2] >> (4 * (k & 1))) & 15) - offset
                     : static_cast<float>(static_cast<int8_t>(row[k]));
       }
-      const float d = as_float(dp[n * groups + g]);
-      float* o = out + n * K + g * G;
-      for (int64_t j = 0; j < G; ++j) o[j] = c[j] * d;
-      if (mp) {
-        const float m = as_float(mp[n * groups + g]);
-        for (int64_t j = 0; j < G; ++j) o[j] = o[j] + m;
+      const float d = as_float(dp[n * groups + g]), m = mp ? as_float(mp[n * groups + g]) : 0.f;
+      O* o = out + n * K + g * G;
+      for (int64_t j = 0; j < G; ++j) {
+        float v = c[j] * d;
+        if (mp) v = v + m;
+        o[j] = static_cast<O>(v);
       }
     }
   }
@@ -399,19 +412,25 @@ at::Tensor dequantize_into(const at::Tensor& codes, const at::Tensor& scales, co
   const bool four = codes.scalar_type() == at::kByte;
   const int64_t N = codes.size(0), K = codes.size(1) * (four ? 2 : 1);
   check_lowbit(K, codes, scales, mins, sym);
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
-              out.size(1) == K, "dequantize_into: out must be contiguous float32 [N, K]");
+  const auto ot = out.scalar_type();
+  TORCH_CHECK((ot == at::kFloat || ot == at::kBFloat16) && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
+              out.size(1) == K, "dequantize_into: out must be contiguous float32 or bfloat16 [N, K]");
   const int64_t G = K / scales.size(1);
   const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    if (scales.scalar_type() == at::kFloat)
-      dequant_rows(cp, scales.data_ptr<float>(), mins ? mins->data_ptr<float>() : nullptr, four, sym, K, G, n0, n1,
-                   op);
-    else
-      dequant_rows(cp, scales.data_ptr<at::Half>(), mins ? mins->data_ptr<at::Half>() : nullptr, four, sym, K, G, n0,
-                   n1, op);
-  });
+  auto rows = [&](auto* op) {
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      if (scales.scalar_type() == at::kFloat)
+        dequant_rows(cp, scales.data_ptr<float>(), mins ? mins->data_ptr<float>() : nullptr, four, sym, K, G, n0, n1,
+                     op);
+      else
+        dequant_rows(cp, scales.data_ptr<at::Half>(), mins ? mins->data_ptr<at::Half>() : nullptr, four, sym, K, G,
+                     n0, n1, op);
+    });
+  };
+  if (ot == at::kFloat)
+    rows(out.data_ptr<float>());
+  else
+    rows(out.data_ptr<at::BFloat16>());
   return out;
 }
 

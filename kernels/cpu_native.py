@@ -153,7 +153,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def dequantize_into(qw: QuantizedWeight, out: torch.Tensor) -> torch.Tensor:
-    """kernels.quant.dequantize(qw, out=out) in one pass (the same float32 values); `lowbit_supported(qw)`."""
+    """kernels.quant.dequantize(qw, out=out) in one pass (the same float32 values; into a bfloat16 `out`, those values
+    rounded as .to(torch.bfloat16) rounds them); `lowbit_supported(qw)`."""
     return _state["dequantize"](qw.qweight, qw.scales, qw.mins, qw.format == "int4_sym", out)
 
 

@@ -9,6 +9,7 @@ from engine.model.llama import LlamaModel
 from engine.model.loader import load_weights
 from engine.runner import ModelRunner, Work
 from engine.sampling import SamplingParams
+from kernels import cpu_native
 from kernels.quant import QuantizedWeight, dequantize, quantize
 from tests.engine.helpers import PAGE, make_engine, tiny_hf_model
 
@@ -66,7 +67,8 @@ def test_tiny_model_prefill_logits_agree(tmp_path, fmt, one_thread):
 
 
 def test_scratch_is_shared_and_reused(tmp_path, monkeypatch, one_thread):
-    """One float32 buffer (and one bf16 where the CPU multiplies bf16 natively) for the whole model, sized for its largest layer, allocated once; chunks under
+    """One buffer for the whole model (float32; bf16 where the CPU multiplies bf16 natively, which the C++ pass writes
+    straight, else beside the float32 one), sized for its largest layer, allocated once; chunks under
     ROWS rows (decode) never touch it; no dequantized weight is kept on any layer."""
     model = tiny_model(tmp_path, "int4")
     runner = ModelRunner(model, 8, torch.float32, PAGE, prefill_cublas=True)
@@ -80,7 +82,7 @@ def test_scratch_is_shared_and_reused(tmp_path, monkeypatch, one_thread):
     runner.run([Work(list(range(ROWS - 1)), 0, pages)])  # below the threshold: the low-bit path
     assert not calls and scratch.grown == 0
     runner.run([Work(list(range(100, 100 + 2 * ROWS)), 0, pages)])
-    dtypes = {torch.float32, dense_cpu_dtype()}  # float32, and bf16 where this CPU multiplies bf16 natively
+    dtypes = {dense_cpu_dtype()} if cpu_native.loaded() else {torch.float32, dense_cpu_dtype()}
     assert len(calls) == len(linears) and scratch.grown == len(dtypes)
     biggest = max(lin.weight.out_features * lin.weight.in_features for lin in linears)
     assert {b.numel() for b in scratch.buffers.values()} == {biggest}

@@ -203,7 +203,10 @@ def test_dequantize_into_gives_exactly_the_weight_quant_dequantize_gives(native,
     out = torch.full(qw.shape, float("nan"))
     assert cpu_native.dequantize_into(qw, out) is out
     assert torch.equal(out, dequantize(qw, torch.float32))
-    with pytest.raises(RuntimeError, match="float32"):
+    half = torch.full(qw.shape, float("nan"), dtype=torch.bfloat16)  # rounded in the pass, as .to() rounds
+    assert cpu_native.dequantize_into(qw, half) is half
+    assert torch.equal(half.view(torch.int16), dequantize(qw, torch.float32).to(torch.bfloat16).view(torch.int16))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cpu_native.dequantize_into(qw, torch.empty(qw.shape, dtype=torch.float64))
 
 
@@ -217,6 +220,8 @@ def test_dense_prompts_dequantize_through_the_cpp_pass(native, monkeypatch):
     qw = quantize(torch.randn(64, 128), "int4_sym", 32)
     scratch = DenseScratch(min_rows=4)
     assert torch.equal(scratch.weight(qw, torch.float32), dequantize(qw, torch.float32)) and calls == [(64, 128)]
+    assert torch.equal(scratch.weight(qw, torch.bfloat16), dequantize(qw, torch.float32).to(torch.bfloat16))
+    assert calls == [(64, 128)] * 2  # one pass, straight into the bf16 buffer
 
 
 @pytest.mark.parametrize("out,k,bias", [(1552, 512, False), (77, 576, True), (33, 100, True), (512, 1536, False)])
