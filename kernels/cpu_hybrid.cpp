@@ -190,14 +190,15 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
               "hybrid_step: the final norm must be float32 [hidden]");
   const float eps = static_cast<float>(eps_), scale = 1.f / std::sqrt(static_cast<float>(D));
 
-  TORCH_CHECK(moe_at.empty() || (static_cast<int64_t>(moe_at.size()) == L && moe_dims.size() == 3),
+  const bool any_moe = std::any_of(moe_at.begin(), moe_at.end(), [](int64_t a) { return a >= 0; });
+  TORCH_CHECK(static_cast<int64_t>(moe_at.size()) == L && (!any_moe || moe_dims.size() == 3),
               "hybrid_step: moe_at names each layer's first MoE entry (-1: a dense MLP); moe_dims (experts, top_k, "
               "renormalise)");
   std::vector<Linear> lin(4 * L);
   std::vector<MoeMlp> moe(L);
   int64_t widest = 0, inter = 0, moe_layers = 0;
   for (int64_t l = 0; l < L; ++l) {
-    const bool gdn = kinds[l] == GDN, is_moe = !moe_at.empty() && moe_at[l] >= 0;
+    const bool gdn = kinds[l] == GDN, is_moe = moe_at[l] >= 0;
     const int64_t base = l * HYB_PER_LAYER;
     auto read = [&](int64_t at_, int j, int64_t in) {
       return read_linear(weights, base + at_, -1, syms[4 * l + j] != 0, in, "hybrid_step", l);

@@ -14,6 +14,7 @@ import torch
 from engine.model import cpu_fused
 from engine.model.cpu_fused import FusedDecode, linear_entries, readable, unreadable
 from engine.model.gdn import GDNLayer
+from engine.model.linear import layer_linears
 from engine.model.qwen35 import GatedAttentionLayer, Qwen35Model
 from kernels import cpu_native
 
@@ -31,15 +32,11 @@ def why_not(model, kv, state) -> str | None:
     (hybrid_step takes no biases: Qwen3.5 has none)."""
     why = unreadable(model, kv, Qwen35Model, MIXERS, "a Qwen3.5 hybrid of GDN and gated attention layers", False)
     if why is None and not all(readable(lin) and lin.bias is None for layer in model.layers
-                               for lin in mlp_linears(layer)):
+                               for lin in layer_linears(layer)):
         return "not every MLP weight of the layers is one the C++ decode kernels read"
     if why is None and (state is None or any(t["conv"].dtype != torch.float32 for t in state.layers)):
         return "the GDN conv states are not float32"
     return why
-
-
-def mlp_linears(layer) -> list:
-    return layer.moe.linears() if layer.moe is not None else [layer.gate_up, layer.down]
 
 
 def moe_entries(moe) -> tuple[list, list[int]]:
@@ -93,8 +90,6 @@ class HybridDecode(FusedDecode):
         self.eps = cfg.rms_eps
         m = cfg.moe
         self.moe_dims = [] if m is None else [m.num_experts, m.top_k, int(m.norm_topk)]
-        if m is None:
-            self.moe_at = []
         self.conv_states = [t["conv"] for t in self.state.layers]  # the pool's tensors, allocated once
         self.ssm_states = [t["ssm"] for t in self.state.layers]
         self.op = cpu_native.hybrid_step_op()

@@ -7,22 +7,16 @@ over the same weights, dense float32 or the same low-bit kernels. Also: rows of 
 through it together and equal each row alone."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from engine.memory.kv.table import PageList
 from engine.memory.state import SeqState
 from engine.model import cpu_hybrid
-from engine.model.linear import use_cpu_kernel
-from engine.model.loader import load_weights
-from engine.model.registry import build_model
-from engine.runner import ModelRunner, Work
+from engine.runner import Work
 from tests.engine.helpers import rel_err
-from tests.engine.qwen35_models import VOCAB
 from tests.engine.qwen35_moe_models import tiny_moe_checkpoint, tiny_qwen3_next_moe
-
-PAGE = 16
+from tests.engine.test_cpu_hybrid import PAGE, build, forced, runner, tokens
 pytestmark = pytest.mark.usefixtures("cpp_kernels")
 
 
@@ -34,27 +28,6 @@ def moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def next_moe(tmp_path_factory):
     return tiny_qwen3_next_moe(tmp_path_factory.mktemp("cpu-next-moe") / "next-moe", norm_topk=True)
-
-
-def build(folder, fmt: str = ""):
-    model = build_model(load_weights(folder)[1], torch.float32, torch.device("cpu"), fmt)
-    assert use_cpu_kernel(model) is not None
-    return model
-
-
-def runner(model, fused: bool, slots: int = 4) -> ModelRunner:
-    return ModelRunner(model, 24, torch.float32, PAGE, state_slots=slots, max_batch=4, cpu_fused=fused)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    return [int(t) for t in np.random.default_rng(seed).integers(2, VOCAB, n)]
-
-
-def forced(r: ModelRunner, ids: list[int], prompt: int, pages: list[int]) -> torch.Tensor:
-    """Logits of every decode step after a prompt of `prompt` tokens, teacher-forced over `ids`: [steps, vocab]."""
-    table, state = PageList(pages, PAGE), SeqState(r.state.allocate())
-    r.run([Work(ids[:prompt], 0, table, "last", state)])
-    return torch.cat([r.run([Work([ids[i]], i, table, "last", state)])[0] for i in range(prompt, len(ids))])
 
 
 @pytest.mark.parametrize("which", ["qwen35-moe", "qwen3-next-partly-dense"])
