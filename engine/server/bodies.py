@@ -1,8 +1,9 @@
 """Request bodies read off the event loop: the API routes parse and validate their JSON body in a worker thread, so a
 large body (up to --max-body-mib) never holds up /health or other clients while it is read or refused.
 
-Before the request model validates a body, lists the model bounds (`messages`, `tools`) are checked for length, so
-an oversized list is refused at once instead of after every item in it was validated. Text that is not valid
+Before a body is parsed its values are counted (engine.server.bodyjson: no parse holds the interpreter long), and
+before the request model validates it, the lists and maps the model bounds (`messages`, `tools`, `logit_bias`)
+are checked for length, so an oversized one is refused at once instead of after every item in it was validated. Text that is not valid
 Unicode (a lone surrogate, which only a \\uD800-\\uDFFF escape or the bytes ED A0..BF can carry) is looked for only
 in a body that holds such an escape or bytes.
 """
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.server.bodyjson import check_size, loads
 from engine.server.errors import invalid_text_at, invalid_text_message
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
@@ -32,7 +34,7 @@ def _invalid(kind: str, loc: tuple, msg: str, ctx: dict | None = None) -> Reques
 
 
 def list_bounds(model: type[BaseModel]) -> dict[str, int]:
-    """The fields of a request model that are lists of at most N items: {alias: N}."""
+    """The fields of a request model that are lists (or maps) of at most N items: {alias: N}."""
     bounds = {}
     for name, field in model.model_fields.items():
         for rule in field.metadata:
@@ -44,8 +46,9 @@ def list_bounds(model: type[BaseModel]) -> dict[str, int]:
 def read_body(model: type[BaseModel], raw: bytes) -> BaseModel:
     """The request model of a JSON body; RequestValidationError (a 400 in the API's shape) when it is not one.
     CPU-bound: call it in a worker thread."""
+    check_size(raw)
     try:
-        data = json.loads(raw)
+        data = loads(raw)
     except json.JSONDecodeError as e:
         raise _invalid("json_invalid", (e.pos,), "JSON decode error", {"error": e.msg}) from None
     except UnicodeDecodeError:
@@ -55,8 +58,9 @@ def read_body(model: type[BaseModel], raw: bytes) -> BaseModel:
     if isinstance(data, dict):
         for name, limit in list_bounds(model).items():
             value = data.get(name)
-            if isinstance(value, list) and len(value) > limit:
-                raise _invalid("too_long", (name,), f"List should have at most {limit} items, not {len(value)}")
+            if isinstance(value, (list, dict)) and len(value) > limit:
+                kind = "List" if isinstance(value, list) else "Object"
+                raise _invalid("too_long", (name,), f"{kind} should have at most {limit} items, not {len(value)}")
     if _SURROGATE.search(raw):
         where = invalid_text_at(data)
         if where is not None:

@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.server.chat import SSE_HEADERS, sse
 from engine.server.errors import APIError, error_body
-from engine.server.generation import (Choice, check_prompt_chars, response_constraint, run_choices, sampling_params,
-                                       submit_all, unless_disconnected, usage_dict)
+from engine.server.generation import (Choice, check_fits, check_prompt_chars, response_constraint, run_choices,
+                                       sampling_params, submit_all, unless_disconnected, usage_dict)
 from engine.server.schemas import CompletionRequest
 from engine.server.state import ServerState
 
@@ -38,6 +38,9 @@ def encode_prompts(tok, req: CompletionRequest, context: int) -> list[tuple[str,
         ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "The prompt is empty.", param="prompt")
+        if len(ids) >= context:  # before the ids are checked one by one
+            raise APIError(400, f"The context holds {context} tokens, and the prompt has {len(ids)}: no room for an "
+                                f"answer. Shorten the input.", code="context_length_exceeded", param="prompt")
         if any(not 0 <= t < tok.vocab_size for t in ids):
             raise APIError(400, f"Prompt token ids must be between 0 and {tok.vocab_size - 1}.", param="prompt")
         prompts.append((p if isinstance(p, str) else tok.decode(ids), ids))
@@ -51,6 +54,8 @@ async def completions(req: CompletionRequest, state: ServerState, request=None):
         raise APIError(400, "suffix (fill-in-the-middle) is not available in this version; send the prompt only.",
                        param="suffix")
     tok = loaded.tokenizer
+    count = len(req.prompts())  # every count checked before any prompt is looked at
+    check_fits(loaded.engine, count * req.n, count, "prompt" if count > 1 else "n")
     prompts = await asyncio.to_thread(encode_prompts, tok, req, loaded.context_window)
     constraint = await asyncio.to_thread(response_constraint, tok, req.response_format)
     jobs, choices, echoes = [], [], []

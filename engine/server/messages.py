@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
@@ -21,8 +21,8 @@ from engine.server.generation import Choice, sampling_params, submit, unless_dis
 from engine.server.messages_reply import MessageReply
 from engine.server.parsers import offered_tools
 from engine.server.schemacheck import schema_problems
-from engine.server.schemas import (INT32_MAX, MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, Int,
-                                   TokenCount, _Open)
+from engine.server.schemas import (INT32_MAX, MAX_MESSAGES, MAX_STOP, MAX_TOOLS, Bool, ChatCompletionRequest, Float,
+                                   Int, TokenCount, _Open)
 from engine.server.state import ServerState
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -35,9 +35,9 @@ class MessagesRequest(_Open):
     service_tier, container, mcp_servers, ...) are accepted and ignored."""
     model: str
     messages: list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
-    system: str | list[dict[str, Any]] | None = None
+    system: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
     max_tokens: TokenCount | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP)
     temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: Int | None = Field(default=None, ge=0, le=INT32_MAX)

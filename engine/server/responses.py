@@ -43,7 +43,7 @@ class ResponsesRequest(_Open):
     reasoning: Reasoning | None = None
     previous_response_id: str | None = None
     parallel_tool_calls: Bool | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = Field(default=None, max_length=MAX_TOOLS)  # OpenAI takes 16 pairs
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", ...}}
 
 

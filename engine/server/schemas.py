@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, Strict, StrictBool
 
 
 # Bounds on what one request may hold (a 400 beyond them), so no request can make the server do unbounded work.
 MAX_MESSAGES, MAX_TOOLS, MAX_STOP, MAX_STOP_CHARS = 4096, 128, 16, 512
+MAX_PARTS = 16384  # content parts or tool calls of one message
+MAX_PROMPTS = 4096  # prompts of one completions request (the server's queue usually takes fewer: a 400 that says so)
 INT32_MAX = 2**31 - 1  # the largest token count (max_tokens, top_k, budget_tokens) a request may name
 
 # JSON types as the OpenAI spec has them: no coercion of "10" or true to a number, or of "yes" to a boolean.
@@ -45,9 +47,10 @@ def _text_parts(content: str | list[dict[str, Any]] | None):
 
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Annotated[str | list[dict[str, Any]] | None, AfterValidator(_text_parts)] = None
+    content: Annotated[str | Annotated[list[dict[str, Any]], Field(max_length=MAX_PARTS)] | None,
+                       AfterValidator(_text_parts)] = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_PARTS)
     tool_call_id: str | None = None
 
 
@@ -112,8 +115,34 @@ class ChatCompletionRequest(SamplingFields):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+def _ids(value: list) -> bool:
+    return all(type(t) is int for t in value)  # a Python loop: other threads run while a long list is checked
+
+
+def _prompt(value: Any) -> str | list[str] | list[int] | list[list[int]]:
+    """A completions prompt: text, texts, token ids or lists of token ids (never coerced). Checked here, item by
+    item, rather than by the schema's union, which holds the interpreter ~0.5 s per million ids."""
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, list) and value:
+        if _ids(value):
+            return value
+        if len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, not {len(value)}")
+        if all(type(p) is str for p in value):
+            return value
+        if all(type(p) is list and p and _ids(p) for p in value):
+            return value
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of lists of token "
+                     "ids, and not empty")
+
+
+Prompt = Annotated[str | list[str] | list[Int] | list[list[Int]],
+                   PlainValidator(_prompt, json_schema_input_type=str | list[str] | list[Int] | list[list[Int]])]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[Int] | list[list[Int]] = Field(min_length=1)
+    prompt: Prompt
     logprobs: Int | None = Field(default=None, ge=0, le=20)
     echo: Bool = False
     best_of: Int | None = Field(default=None, ge=1, le=1)  # only 1: several candidates per choice are not available
