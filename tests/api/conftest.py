@@ -81,3 +81,29 @@ def wait_idle(engine, timeout=10.0):
             return stats
         time.sleep(0.02)
     return engine.stats()
+
+
+def post_while_polling_health(base_url: str, path: str, content: bytes):
+    """(response, seconds it took, the slowest /health answer meanwhile)."""
+    slowest, done = [0.0], threading.Event()
+
+    def poll():
+        with httpx.Client(base_url=base_url, timeout=30) as c:
+            while not done.is_set():
+                t = time.perf_counter()
+                assert c.get("/health").status_code == 200
+                slowest[0] = max(slowest[0], time.perf_counter() - t)
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        time.sleep(0.05)
+        t = time.perf_counter()
+        with httpx.Client(base_url=base_url, timeout=120) as c:
+            r = c.post(path, content=content, headers={"Content-Type": "application/json"})
+        took = time.perf_counter() - t
+    finally:
+        done.set()
+        poller.join()
+    return r, took, slowest[0]

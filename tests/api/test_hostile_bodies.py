@@ -2,14 +2,13 @@
 /health keeps answering within 100 ms; integer literals too long to read and non-finite numbers (NaN, Infinity,
 1e999) are a 400 on every route, never a 500 or a number echoed back."""
 import json
-import threading
 import time
 
 import httpx
 import pytest
 
 from engine.server.bodyjson import MAX_VALUES, count_values
-from tests.api.conftest import wait_idle
+from tests.api.conftest import post_while_polling_health, wait_idle
 
 # /health must not wait on a body more than 100 ms. The poller runs in this process beside the server (the
 # interpreter is shared, as it is for a server in the app), so its own scheduling on the 2-core test machine, shared
@@ -33,37 +32,11 @@ LARGE = {"3.8M prompts": lambda: _list_body('"a"', 3_800_000),
          "one prompt of 7.8M ids": lambda: _list_body("1", 7_800_000)}
 
 
-def _post_while_polling_health(base_url: str, path: str, content: bytes):
-    """(response, seconds it took, the slowest /health answer meanwhile)."""
-    slowest, done = [0.0], threading.Event()
-
-    def poll():
-        with httpx.Client(base_url=base_url, timeout=30) as c:
-            while not done.is_set():
-                t = time.perf_counter()
-                assert c.get("/health").status_code == 200
-                slowest[0] = max(slowest[0], time.perf_counter() - t)
-                time.sleep(0.01)
-
-    poller = threading.Thread(target=poll)
-    poller.start()
-    try:
-        time.sleep(0.05)
-        t = time.perf_counter()
-        with httpx.Client(base_url=base_url, timeout=120) as c:
-            r = c.post(path, content=content, headers={"Content-Type": "application/json"})
-        took = time.perf_counter() - t
-    finally:
-        done.set()
-        poller.join()
-    return r, took, slowest[0]
-
-
 @pytest.mark.parametrize("case", list(LARGE))
 def test_a_list_of_millions_is_refused_at_once_and_health_stays_within_100_ms(scripted, case):
     body = LARGE[case]()
     assert len(body) > 9 * 2**20
-    r, took, slowest = _post_while_polling_health(scripted.base_url, "/v1/completions", body)
+    r, took, slowest = post_while_polling_health(scripted.base_url, "/v1/completions", body)
     assert r.status_code == 400, r.text[:300]
     assert r.json()["error"]["code"] == "too_many_values"
     assert took < 5.0, f"the refusal took {took:.1f} s"
@@ -74,7 +47,7 @@ def test_the_largest_body_a_request_needs_is_read_without_holding_up_health(scri
     """A prompt of 2**18 token ids (a large model's whole context) is parsed and validated, then refused for this
     model's context, with /health answered meanwhile."""
     body = _list_body("1", 2**18)
-    r, _, slowest = _post_while_polling_health(scripted.base_url, "/v1/completions", body)
+    r, _, slowest = post_while_polling_health(scripted.base_url, "/v1/completions", body)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text[:300]
     assert slowest < HEALTH_BOUND + SCHEDULING_NOISE, f"/health took {slowest * 1000:.0f} ms while the body was read"
 

@@ -1,11 +1,11 @@
 """Large bodies are read off the event loop and their cost is bounded: while a 15 MiB body is parsed and refused,
 /health and other clients are answered at once. Bodies that are not JSON get the same 400 as before."""
 import json
-import threading
-import time
 
 import httpx
 import pytest
+
+from tests.api.conftest import post_while_polling_health
 
 MIB15 = 15 * 1024 * 1024
 HEALTH_WITHIN = 1.5  # seconds; measured at most 0.6 s on a shared 2-core machine
@@ -32,24 +32,7 @@ def _bodies():
 def test_health_answers_at_once_while_a_15_mib_body_is_refused(scripted, case):
     path, param, body = _bodies()[case]
     data = json.dumps(body).encode()
-    slowest, done = [0.0], threading.Event()
-
-    def poll_health():
-        with httpx.Client(base_url=scripted.base_url, timeout=30) as c:
-            while not done.is_set():
-                t = time.perf_counter()
-                assert c.get("/health").status_code == 200
-                slowest[0] = max(slowest[0], time.perf_counter() - t)
-                time.sleep(0.05)
-
-    poller = threading.Thread(target=poll_health)
-    poller.start()
-    try:
-        with httpx.Client(base_url=scripted.base_url, timeout=120) as c:
-            r = c.post(path, content=data, headers={"Content-Type": "application/json"})
-    finally:
-        done.set()
-        poller.join()
+    r, _, slowest = post_while_polling_health(scripted.base_url, path, data)
     assert r.status_code == 400, r.text[:300]
     if param is None:
         assert r.json()["type"] == "error" and "cannot fit" in r.json()["error"]["message"]
@@ -57,7 +40,7 @@ def test_health_answers_at_once_while_a_15_mib_body_is_refused(scripted, case):
         assert r.json()["error"]["code"] == param
     else:
         assert r.json()["error"]["param"] == param
-    assert slowest[0] < HEALTH_WITHIN, f"/health took {slowest[0]:.2f} s while the body was read"
+    assert slowest < HEALTH_WITHIN, f"/health took {slowest:.2f} s while the body was read"
 
 
 @pytest.mark.parametrize("content,words", [
