@@ -10,8 +10,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine.server.chat import SSE_HEADERS, sse
 from engine.server.errors import APIError, error_body
-from engine.server.generation import (Choice, check_fits, check_prompt_chars, response_constraint, run_choices,
-                                       sampling_params, submit_all, unless_disconnected, usage_dict)
+from engine.server.generation import (Choice, check_fits, check_prompt_chars, check_room, response_constraint,
+                                       run_choices, sampling_params, submit_all, unless_disconnected, usage_dict)
 from engine.server.schemas import CompletionRequest
 from engine.server.state import ServerState
 
@@ -28,19 +28,17 @@ def _legacy_logprobs(tokenizer, entries, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def encode_prompts(tok, req: CompletionRequest, context: int) -> list[tuple[str, list[int]]]:
+def encode_prompts(state: ServerState, req: CompletionRequest, context: int) -> list[tuple[str, list[int]]]:
     """(text, token ids) of each prompt; a 400 for an empty prompt or ids outside the vocabulary. CPU-bound (a
     long prompt takes seconds to encode): call it in a worker thread."""
-    prompts = []
+    tok, prompts = state.loaded.tokenizer, []
     for p in req.prompts():
         if isinstance(p, str):
             check_prompt_chars(tok, p, context, "prompt")
         ids = tok.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "The prompt is empty.", param="prompt")
-        if len(ids) >= context:  # before the ids are checked one by one
-            raise APIError(400, f"The context holds {context} tokens, and the prompt has {len(ids)}: no room for an "
-                                f"answer. Shorten the input.", code="context_length_exceeded", param="prompt")
+        check_room(state, len(ids), context, "prompt")  # before the ids are checked one by one
         if any(not 0 <= t < tok.vocab_size for t in ids):
             raise APIError(400, f"Prompt token ids must be between 0 and {tok.vocab_size - 1}.", param="prompt")
         prompts.append((p if isinstance(p, str) else tok.decode(ids), ids))
@@ -56,7 +54,7 @@ async def completions(req: CompletionRequest, state: ServerState, request=None):
     tok = loaded.tokenizer
     count = len(req.prompts())  # every count checked before any prompt is looked at
     check_fits(loaded.engine, count * req.n, count, "prompt" if count > 1 else "n")
-    prompts = await asyncio.to_thread(encode_prompts, tok, req, loaded.context_window)
+    prompts = await asyncio.to_thread(encode_prompts, state, req, loaded.context_window)
     constraint = await asyncio.to_thread(response_constraint, tok, req.response_format)
     jobs, choices, echoes = [], [], []
     for k, (text, ids) in enumerate(prompts):  # every prompt checked before any is submitted

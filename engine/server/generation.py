@@ -18,18 +18,25 @@ from engine.server.state import ServerState
 from engine.server.textstream import TextStream
 
 
+def check_room(state: ServerState, prompt_tokens: int, context: int, param: str) -> None:
+    """A 400 context_length_exceeded naming what sets the context (the model, --max-context, the host KV tier...)
+    when a prompt of `prompt_tokens` leaves no room for one token of answer."""
+    if context - prompt_tokens >= 1:
+        return
+    limit = getattr(getattr(state.loaded, "engine", None), "context_limit", "the context length")
+    if not isinstance(limit, str) or limit == "the context length":
+        limit = "this model's context length"
+    raise APIError(400, f"The context holds {context} tokens (set by {limit}), and the prompt has "
+                        f"{prompt_tokens}: no room for an answer. Shorten the input.",
+                   code="context_length_exceeded", param=param)
+
+
 def sampling_params(req: SamplingFields, state: ServerState, prompt_tokens: int, context: int,
                     logprobs: int | None = None, param: str = "messages") -> SamplingParams:
     """Request values over the mode's defaults; max_tokens is capped to the room left in the context."""
     d, s = state.defaults, state.settings
+    check_room(state, prompt_tokens, context, param)
     room = context - prompt_tokens
-    if room < 1:
-        limit = getattr(getattr(state.loaded, "engine", None), "context_limit", "the context length")
-        if not isinstance(limit, str) or limit == "the context length":
-            limit = "this model's context length"
-        raise APIError(400, f"The context holds {context} tokens (set by {limit}), and the prompt has "
-                            f"{prompt_tokens}: no room for an answer. Shorten the input.",
-                       code="context_length_exceeded", param=param)
     wanted = req.max_completion_tokens or req.max_tokens or s.default_max_tokens
 
     def pick(name):
