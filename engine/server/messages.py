@@ -19,6 +19,7 @@ from engine.server.chat import SSE_HEADERS, output_constraint, parallel_calls, r
 from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
 from engine.server.messages_reply import MessageReply
+from engine.server.omitted import hosted_tool_name, omitted_header
 from engine.server.parsers import offered_tools
 from engine.server.schemacheck import schema_problems
 from engine.server.schemas import (INT32_MAX, MAX_MESSAGES, MAX_STOP, MAX_TOOLS, Bool, ChatCompletionRequest, Float,
@@ -26,7 +27,6 @@ from engine.server.schemas import (INT32_MAX, MAX_MESSAGES, MAX_STOP, MAX_TOOLS,
 from engine.server.state import ServerState
 
 BILLING_HEADER = "x-anthropic-billing-header"
-OMITTED_TOOLS_HEADER = "X-NInfer-Omitted-Tools"
 _THINKING_EFFORT = {"enabled": "high", "disabled": "none", "adaptive": None}
 
 
@@ -199,7 +199,7 @@ def to_chat_tools(tools: list[dict] | None) -> tuple[list[dict] | None, list[str
             raise _bad(f"tools[{i}] must be an object.", f"tools[{i}]")
         kind = t.get("type")
         if kind not in (None, "custom"):
-            omitted.append(str(t.get("name") or kind))
+            omitted.append(hosted_tool_name(t.get("name") or kind, f"tools[{i}].name"))
             continue
         fn = {"name": t.get("name"), "parameters": t.get("input_schema") or {"type": "object"}}
         problems = schema_problems(fn["parameters"], f"tools[{i}].input_schema")
@@ -274,10 +274,6 @@ def prepare(state: ServerState, req: MessagesRequest, served: str):
     return chat, omitted, prompt, in_reasoning
 
 
-def _headers(omitted: list[str]) -> dict:
-    return {OMITTED_TOOLS_HEADER: ", ".join(omitted)} if omitted else {}
-
-
 async def messages(req: MessagesRequest, state: ServerState, request=None):
     served = state.check_model(req.model)
     loaded = state.ready()
@@ -299,8 +295,8 @@ async def messages(req: MessagesRequest, state: ServerState, request=None):
     reply = MessageReply(req.model, streams, choice, len(prompt), hide_thinking=hide)
     if req.stream:
         return StreamingResponse(reply.sse(), media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **_headers(omitted)})
-    return JSONResponse(await unless_disconnected(request, reply.whole()), headers=_headers(omitted))
+                                 headers={**SSE_HEADERS, **omitted_header(omitted)})
+    return JSONResponse(await unless_disconnected(request, reply.whole()), headers=omitted_header(omitted))
 
 
 async def count_tokens(req: MessagesRequest, state: ServerState) -> dict:

@@ -12,7 +12,7 @@ from pydantic import Field, ValidationError
 from engine.server.chat import SSE_HEADERS, output_constraint, parallel_calls, render
 from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
-from engine.server.messages import OMITTED_TOOLS_HEADER
+from engine.server.omitted import omitted_header
 from engine.server.parsers import offered_tools
 from engine.server.responses_input import ResponseTools, read_input, read_tool_choice, read_tools
 from engine.server.responses_reply import ResponseReply
@@ -109,7 +109,7 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
                     tool_names=offered_tools(chat.tools, chat.tool_choice),
                     parallel_calls=parallel_calls(chat))
     reply = ResponseReply(req, streams, choice, len(prompt), tools)
-    headers = {OMITTED_TOOLS_HEADER: ", ".join(tools.omitted)} if tools.omitted else {}
+    headers = omitted_header(tools.omitted)
     if req.stream:
         return StreamingResponse(reply.sse(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     return JSONResponse(await unless_disconnected(request, reply.whole()), headers=headers)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.server.errors import APIError, shown
+from engine.server.omitted import hosted_tool_name
 
 LOCAL_SHELL = "local_shell"
 _LOCAL_SHELL_PARAMS = {"type": "object", "properties": {
@@ -131,7 +132,7 @@ def read_tools(tools: list[dict] | None) -> ResponseTools:
                     fn["description"] = f"{fn.get('description', '')} ({ns}: {note})".strip()
                 offer(fn, Offered(sub_kind, sub["name"], ns, lark=_lark(sub)), f"{where}.tools[{j}]")
         elif isinstance(kind, str):
-            out.omitted.append(kind)
+            out.omitted.append(hosted_tool_name(kind, f"{where}.type"))
         else:
             raise APIError(400, f"{where} must be an object with a type.", param=where)
     return out

@@ -119,3 +119,45 @@ def test_non_finite_numbers_in_responses_fields_are_refused_not_echoed(scripted,
     assert r.json()["error"]["code"] == "invalid_number"
     assert len(scripted.engine.prompts) == before, "the request reached the engine"
     assert wait_idle(scripted.engine)["running"] == 0
+
+
+HOSTED_NAMES = {"non-Latin-1": "web_search_\u641c\u7d22", "CR/LF": "web_search\r\nX-Injected: 1",
+                "1 MiB": "w" * 2**20, "not a string": 7}
+
+
+def _hosted(path: str, name) -> dict:
+    if path == "/v1/messages":
+        return {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "web_search_20250305", "name": name}]}
+    return {"input": "hi", "tools": [{"type": name}]}
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+@pytest.mark.parametrize("case", list(HOSTED_NAMES))
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_hosted_tool_named_with_text_no_header_can_carry_is_a_400_before_the_engine(scripted, path, case, stream):
+    scripted.engine.script = "Hello"
+    before = len(scripted.engine.prompts)
+    with httpx.Client(base_url=scripted.base_url, timeout=30) as c:
+        r = c.post(path, json={"model": "scripted", "stream": stream, **_hosted(path, HOSTED_NAMES[case])})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert "tools[0]" in error["message"], error
+    assert len(r.text) < 4096 and not any(k.lower().startswith("x-injected") for k in r.headers)
+    assert len(scripted.engine.prompts) == before, "the request reached the engine"
+    assert wait_idle(scripted.engine)["running"] == 0
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_many_hosted_tools_are_named_in_a_header_of_bounded_size(scripted, path):
+    scripted.engine.script = "Hello"
+    body = _hosted(path, "x")
+    body["tools"] = [{**body["tools"][0], ("name" if path == "/v1/messages" else "type"): f"hosted_{i:03d}_" + "t" * 50}
+                     for i in range(100)]
+    with httpx.Client(base_url=scripted.base_url, timeout=30) as c:
+        r = c.post(path, json={"model": "scripted", **body})
+    assert r.status_code == 200, r.text[:300]
+    header = r.headers["x-ninfer-omitted-tools"]
+    names = header.split(", ")
+    assert names[:16] == [f"hosted_{i:03d}_" + "t" * 50 for i in range(16)] and names[16] == "and 84 more"
+    assert len(header) < 1200
