@@ -27,8 +27,10 @@ from typing import Any, Mapping
 
 # load_settings itself merges and checks (layers, coercion, availability, combinations), so the launcher and
 # ninfer-serve can never disagree about what is valid.
-from engine.config.loading import PRESET_DIR, ConfigError, Settings, load_settings
+from engine.config.loading import MAX_SETTINGS_FILE_BYTES, PRESET_DIR, ConfigError, Settings, load_settings
 from engine.config.table import SETTINGS, Setting, show_value
+from engine.errors import NInferError
+from engine.userfiles import read_user_file
 
 from app import paths
 
@@ -87,9 +89,8 @@ def read_preset(preset: Preset | None) -> dict[str, Any]:
     if preset is None:
         return {}
     try:
-        with open(preset.path, "rb") as f:
-            data = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError):
+        data = tomllib.loads(read_user_file(preset.path, "a preset", MAX_SETTINGS_FILE_BYTES, "").decode("utf-8"))
+    except (OSError, NInferError, UnicodeDecodeError, tomllib.TOMLDecodeError):
         return {}
     return {k: v for k, v in data.items() if k in BY_NAME}
 

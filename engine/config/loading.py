@@ -26,6 +26,7 @@ from engine.modes import load_modes
 from engine.config.settings import Settings
 from engine.config.table import ENV_ALLOWED, ENV_ALLOWED_PREFIXES, GROUPS, SETTINGS, Setting
 from engine.config.table import show_value as _show
+from engine.userfiles import read_user_file
 
 __all__ = [
     "GROUPS", "SETTINGS", "Setting", "ConfigError", "Settings", "PRESET_DIR", "build_parser",
@@ -34,6 +35,7 @@ __all__ = [
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS}
 BY_ENV: dict[str, Setting] = {s.env: s for s in SETTINGS}
+MAX_SETTINGS_FILE_BYTES = 2**20  # a settings file is a few hundred bytes
 PRESET_DIR = Path(__file__).resolve().parents[2] / "resources" / "presets"
 BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
@@ -177,10 +179,13 @@ def _mapping_layer(data: Mapping[str, Any], source: str, problems: list[str]) ->
 
 def _toml_layer(path: Path, source: str, problems: list[str]) -> Layer:
     try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
+        data = tomllib.loads(read_user_file(path, "a settings file", MAX_SETTINGS_FILE_BYTES,
+                                            "Give the path of a TOML file of settings.").decode("utf-8"))
     except FileNotFoundError:
         problems.append(f"[{source}] file not found: {path}; check the path")
+        return {}
+    except NInferError as e:  # a device, a pipe, a folder or an outsized file: refused before it is read
+        problems.append(f"[{source}] {e}")
         return {}
     except UnicodeDecodeError as e:  # TOML is UTF-8 text by definition
         problems.append(f"[{source}] {path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "

@@ -1,12 +1,12 @@
 """Find and load a model: a GGUF file or a Hugging Face folder, or the embedded default."""
 from __future__ import annotations
 
-import stat
 import threading
 from pathlib import Path
 
 from engine.errors import ModelLoadError
 from engine.model.weights import LoadedWeights, Progress
+from engine.userfiles import special_kind
 
 
 def resolve_model_path(model: str | Path | None) -> Path:
@@ -22,22 +22,13 @@ def resolve_model_path(model: str | Path | None) -> Path:
                              "Pass the path of a .gguf file or of a Hugging Face model folder "
                              "(or no model, to use the embedded SmolLM2-135M-Instruct).")
     if not path.is_dir() and not path.is_file():  # a FIFO, socket or device: reading it could block forever
-        raise ModelLoadError(f"{path} is not a regular file or folder (it is a {_kind(path)}).",
+        raise ModelLoadError(f"{path} is not a regular file or folder (it is a {special_kind(path)}).",
                              "Pass the path of a .gguf file or of a Hugging Face model folder.")
     from engine.library.hub import split_part
     if split_part(path.name) is not None:  # llama.cpp's split files: merged once into one (engine/library/split.py)
         from engine.library.split import ensure_merged, sibling_parts
         return ensure_merged(sibling_parts(path)[0])
     return path
-
-
-def _kind(path: Path) -> str:
-    mode = path.stat().st_mode
-    for test, name in ((stat.S_ISFIFO, "named pipe"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device")):
-        if test(mode):
-            return name
-    return "special file"
 
 
 def load_weights(model: str | Path | None, progress: Progress | None = None,

@@ -10,6 +10,7 @@ import sys
 
 from engine.errors import NInferError
 from engine.tools.eval.options import CHECKS, parse, progress_bar
+from engine.userfiles import check_write_target
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "ninfer-eval " + " ".join(argv)
     try:
         args, settings = parse(argv)
+        for flag, path in (("--results", args.results), ("--json", args.json)):  # refused before any work
+            if path is not None:
+                check_write_target(path, f"the {flag} file", f"Give another {flag} path.")
     except NInferError as e:
         print(f"{e}", file=sys.stderr)
         return 2

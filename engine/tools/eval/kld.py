@@ -19,11 +19,13 @@ import torch
 
 from engine.errors import NInferError
 from engine.tools.eval.results import ResultsFile, config_key
+from engine.userfiles import read_user_file
 
 TEXTS_DIR = Path(__file__).resolve().parents[3] / "resources" / "eval"
 # the bundled texts --text names: a short one of the project's own, and a long public-domain one for long contexts
 BUNDLED_TEXTS = {"harbour": TEXTS_DIR / "harbour.txt", "genesis": TEXTS_DIR / "genesis.txt"}
 TEXT = BUNDLED_TEXTS["harbour"]
+MAX_TEXT_BYTES = 2**26  # 64 MiB of text is ~16M tokens, far more than any --max-segments scores
 
 
 def text_path(given: str | Path | None) -> Path:
@@ -142,11 +144,11 @@ def run(settings: Any, args, results_path: Path | None, progress) -> dict[str, A
     if args.ctx < 16:
         raise NInferError(f"--ctx {args.ctx} is too short to score.", "Use --ctx 16 or more (e.g. 1024).")
     path = text_path(args.text)
+    remedy = f"Give --text a UTF-8 text file, or the name of a bundled text ({', '.join(BUNDLED_TEXTS)})."
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_user_file(path, "the text", MAX_TEXT_BYTES, remedy).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise NInferError(f"Cannot read the text {path}: {e}.", "Give --text a UTF-8 text file, or the name of a "
-                          f"bundled text ({', '.join(BUNDLED_TEXTS)}).") from None
+        raise NInferError(f"Cannot read the text {path}: {e}.", remedy) from None
     ref_model, ref_over = reference_overrides(args.ref)
     model_path = resolve_model_path(settings.model)
     tok = Tokenizer.from_path(model_path)

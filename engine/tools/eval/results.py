@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.errors import NInferError
+from engine.userfiles import check_write_target, read_user_file
+
+MAX_RESULTS_BYTES = 2**28  # ~1M result lines
 
 
 def config_key(parts: dict[str, Any]) -> str:
@@ -26,10 +29,14 @@ class ResultsFile:
     def __init__(self, path: Path | None, check: str, key: str):
         self.path, self.check, self.key = (Path(path) if path else None), check, key
         self.done: dict[str, dict] = {}
-        if self.path is None or not self.path.exists():
+        if self.path is None:
+            return
+        check_write_target(self.path, "the results file", "Give another --results path.")
+        if not self.path.exists():
             return
         try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
+            lines = read_user_file(self.path, "the results file", MAX_RESULTS_BYTES,
+                                   "Give another --results path.").decode("utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise NInferError(f"Cannot read the results file {self.path}: {e}.",
                               "Give another --results path, or fix or delete this file.") from None
@@ -46,7 +53,6 @@ class ResultsFile:
         self.done[str(item_id)] = row
         if self.path is not None:
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
                 with self.path.open("a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
             except OSError as e:
