@@ -137,7 +137,7 @@ class _Reply:
         async with aclosing(self.events()) as events:
             async for ev in events:
                 if ev.error:
-                    raise APIError(500, ev.error, code="engine_error")
+                    raise APIError(ev.error_status, ev.error, code=ev.error_code)
                 m = msgs[ev.index]
                 m["content"].append(ev.content)
                 m["reasoning"].append(ev.reasoning)
@@ -180,7 +180,7 @@ class _Reply:
         async with aclosing(self.events()) as events:
             async for ev in events:
                 if ev.error:
-                    yield sse(error_body(500, ev.error, "engine_error"))
+                    yield sse(error_body(ev.error_status, ev.error, ev.error_code))
                     break
                 delta = {}
                 if ev.reasoning:

@@ -97,7 +97,7 @@ class _Reply:
         async with aclosing(self.events()) as events:
             async for ev in events:
                 if ev.error:
-                    raise APIError(500, ev.error, code="engine_error")
+                    raise APIError(ev.error_status, ev.error, code=ev.error_code)
                 acc[ev.index]["text"].append(ev.content)
                 acc[ev.index]["lps"].extend(ev.logprobs)
                 acc[ev.index]["finish"] = ev.finish or acc[ev.index]["finish"]
@@ -115,7 +115,7 @@ class _Reply:
         async with aclosing(self.events()) as events:
             async for ev in events:
                 if ev.error:
-                    yield sse(error_body(500, ev.error, "engine_error"))
+                    yield sse(error_body(ev.error_status, ev.error, ev.error_code))
                     break
                 lps = None
                 if self.req.logprobs is not None and ev.logprobs:

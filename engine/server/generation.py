@@ -110,6 +110,10 @@ def _logit_bias(bias: dict[str, float] | None, state: ServerState) -> dict[int, 
     return out
 
 
+CUT_MESSAGE = ("The server stopped this request before its answer was finished (the model was switched, or the "
+               "server shut down). Send the request again.")
+
+
 @dataclass
 class Event:
     index: int
@@ -118,7 +122,9 @@ class Event:
     tool_calls: list = field(default_factory=list)  # the streamer's "tool_call" / "tool_args" / "tool_end" events
     logprobs: list = field(default_factory=list)  # engine TokenLogprob entries
     finish: str | None = None
-    error: str | None = None
+    error: str | None = None  # the request failed (or was cut) before its end: what the client is told
+    error_status: int = 500
+    error_code: str = "engine_error"
 
 
 class Choice:
@@ -161,6 +167,8 @@ class Choice:
         if final:
             if out.error:
                 ev.error = out.error
+            elif out.finish_reason == "abort" and not self.text.stopped:  # cut by the server, not by the client
+                ev.error, ev.error_status, ev.error_code = CUT_MESSAGE, 503, "request_cut"
             budget = out.finish_reason == "length" and not self.text.stopped
             cut = budget and self.tools is not None and self.tools.cut  # a call cut off: still a call, partial
             ev.finish = "length" if cut else "tool_calls" if self.called else "length" if budget else "stop"

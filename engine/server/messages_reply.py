@@ -9,7 +9,7 @@ import uuid
 from contextlib import aclosing
 
 from engine.server.errors import APIError, anthropic_error_body
-from engine.server.generation import Choice, run_choices
+from engine.server.generation import Choice, Event, run_choices
 
 _STOP_REASONS = {"tool_calls": "tool_use", "length": "max_tokens", "stop": "end_turn"}
 
@@ -28,7 +28,7 @@ class MessageReply:
         self.content: list[dict] = []
         self.stop_reason: str | None = None
         self.stop_sequence: str | None = None
-        self.failed: str | None = None
+        self.failed: Event | None = None
         self._open: str | None = None  # the kind of the block being streamed ("thinking", "text" or "tool_use")
 
     def usage_body(self) -> dict:
@@ -104,9 +104,8 @@ class MessageReply:
         async with aclosing(run_choices(self.streams, [self.choice], self.usage)) as events:
             async for ev in events:
                 if ev.error:
-                    self.failed = ev.error
-                    yield sse_event("error", anthropic_error_body(500, f"The engine failed while generating the "
-                                                                       f"answer: {ev.error}"))
+                    self.failed = ev
+                    yield sse_event("error", anthropic_error_body(ev.error_status, _failure(ev)))
                     return
                 if ev.reasoning:
                     for chunk in self._text("thinking", ev.reasoning):
@@ -131,6 +130,11 @@ class MessageReply:
         async for _ in self.sse():
             pass
         if self.failed:
-            raise APIError(500, f"The engine failed while generating the answer: {self.failed}", code="engine_error")
+            raise APIError(self.failed.error_status, _failure(self.failed), code=self.failed.error_code)
         self.stop_reason = self.stop_reason or "end_turn"
         return self.message()
+
+
+def _failure(ev: Event) -> str:
+    """What a client is told of a request that ended in an error (a cut request's message says it all)."""
+    return ev.error if ev.error_status != 500 else f"The engine failed while generating the answer: {ev.error}"

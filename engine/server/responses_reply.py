@@ -15,7 +15,7 @@ import uuid
 from contextlib import aclosing
 
 from engine.server.errors import APIError
-from engine.server.generation import Choice, run_choices
+from engine.server.generation import Choice, Event, run_choices
 from engine.server.responses_input import ResponseTools
 
 _ITEM_PREFIX = {"function_call": "fc", "custom_tool_call": "ctc", "local_shell_call": "lsh"}
@@ -70,18 +70,22 @@ class ResponseReply:
         self.usage = {"completion_tokens": {0: 0}, "cached_tokens": {0: 0}}
         self.output: list[dict] = []
         self.status, self.incomplete = "in_progress", None
+        self.failed: Event | None = None  # why the response failed (an engine error, or the server cut it)
         self.seq = 0
         self._open: dict | None = None  # the reasoning or message item being streamed
         self._calls: dict[int, dict] = {}  # call index -> its call_id, name and (function calls) output item
         # reasoning.summary asked for: the model's reasoning is given as the summary (what Codex shows by default)
         self.as_summary = req.reasoning is not None and req.reasoning.summary not in (None, "none")
 
+    def _error(self) -> dict | None:
+        return None if self.failed is None else {"code": self.failed.error_code, "message": self.failed.error}
+
     def response(self) -> dict:
         out_tokens, cached = self.usage["completion_tokens"][0], self.usage["cached_tokens"][0]
         req = self.req
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": self.status,
-            "model": req.model, "output": self.output, "error": None, "incomplete_details": self.incomplete,
+            "model": req.model, "output": self.output, "error": self._error(), "incomplete_details": self.incomplete,
             "instructions": req.instructions, "tools": req.tools or [], "tool_choice": req.tool_choice or "auto",
             "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
             "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
@@ -223,8 +227,8 @@ class ResponseReply:
         async with aclosing(run_choices(self.streams, [self.choice], self.usage)) as events:
             async for ev in events:
                 if ev.error:
-                    self.status = "failed"
-                    yield self._event("error", code="engine_error", message=ev.error, param=None)
+                    self.status, self.failed = "failed", ev
+                    yield self._event("error", code=ev.error_code, message=ev.error, param=None)
                     break
                 for kind, text in (("reasoning", ev.reasoning), ("message", ev.content)):
                     if text:
@@ -249,5 +253,7 @@ class ResponseReply:
         async for _ in self.sse():
             pass
         if self.status == "failed":
+            if self.failed is not None and self.failed.error_status != 500:
+                raise APIError(self.failed.error_status, self.failed.error, code=self.failed.error_code)
             raise APIError(500, "The engine failed while generating the response.", code="engine_error")
         return self.response()

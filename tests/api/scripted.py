@@ -14,6 +14,7 @@ class ScriptedEngine:
         self.tokenizer = tokenizer
         self.script = ""
         self.fail_after: int | None = None  # emit this many tokens, then an engine error
+        self.cut_after: int | None = None  # emit this many tokens, then end as the engine ends what a switch stops
         self.prompts: list[list[int]] = []
         self.params = []
         self.refuse: tuple[int, Exception] | None = None  # (n, error): accept n submissions, then raise error
@@ -34,6 +35,11 @@ class ScriptedEngine:
                 stream.push(RequestOutput(stream.request_id, [t], False, None, len(prompt), i + 1))
             stream.push(RequestOutput(stream.request_id, [], True, "error", len(prompt), self.fail_after,
                                       error="The engine failed during a step: RuntimeError: boom"))
+            return stream
+        if self.cut_after is not None:
+            for i, t in enumerate(ids[:self.cut_after]):
+                stream.push(RequestOutput(stream.request_id, [t], False, None, len(prompt), i + 1))
+            stream.push(RequestOutput(stream.request_id, [], True, "abort", len(prompt), self.cut_after))
             return stream
         for i, t in enumerate(ids):
             last = i == len(ids) - 1

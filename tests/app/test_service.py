@@ -89,6 +89,24 @@ def test_stats_carry_engine_keys_the_snapshot_lacks():
         service.state.loaded = None
 
 
+def _stream_in_background(url: str, body: dict) -> dict:
+    """A streamed chat read in a thread: its parsed events, and an Event set once the first token came."""
+    import threading
+
+    out = {"events": [], "started": threading.Event()}
+
+    def read():
+        with httpx.stream("POST", url + "/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    out["events"].append(json.loads(line[6:]))
+                    out["started"].set()
+
+    out["thread"] = threading.Thread(target=read, daemon=True)
+    out["thread"].start()
+    return out
+
+
 def test_switch_the_model_on_the_same_port(tmp_path):
     """The served model is replaced without stopping the server: during the switch a chat gets 503 with Retry-After,
     afterwards the new model (here the embedded file under another name) answers on the same port and the old name
@@ -111,7 +129,13 @@ def test_switch_the_model_on_the_same_port(tmp_path):
         with pytest.raises(ModelLoadError):
             service.switch_model(str(tmp_path / "missing.gguf"))
         assert service.status == "ready" and service.model_ids == [old_id]
-        service.switch_model(str(other))
+        in_flight = _stream_in_background(service.url, dict(chat, model=old_id, max_tokens=400, ignore_eos=True))
+        assert in_flight["started"].wait(60), in_flight
+        service.switch_model(str(other), drain_s=0.0)
+        in_flight["thread"].join(60)
+        cut = in_flight["events"]  # the request the switch stopped says it was cut, not that it finished
+        assert cut and "error" in cut[-1] and cut[-1]["error"]["code"] == "request_cut", cut[-3:]
+        assert not any(ch.get("finish_reason") for e in cut for ch in e.get("choices", [])), cut[-3:]
         assert service.port == port and service.serving
         during = httpx.post(service.url + "/chat/completions", json=dict(chat, model="other-model"), timeout=30)
         assert during.status_code == 503, during.text
