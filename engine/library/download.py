@@ -121,10 +121,11 @@ def download(f: HubFile, *, on_progress: Callable[[DownloadProgress], None] | No
     from huggingface_hub.utils import WeakFileLock
 
     from engine.library import transfer
-    from engine.library.hub import _hub_error, auth_headers, file_url
+    from engine.library.hub import _guard, _hub_error, auth_headers, file_url
     from engine.library.token import load_token
 
     url = file_url(f)
+    _guard(f"download {f.repo_id}/{f.filename}")
     try:
         meta = get_hf_file_metadata(url, token=load_token(), endpoint=endpoint())
     except Exception as e:  # the hub client's HTTP errors, each named by _hub_error
@@ -133,6 +134,11 @@ def download(f: HubFile, *, on_progress: Callable[[DownloadProgress], None] | No
         raise LibraryError(f"The hub gave no version for {f.repo_id}/{f.filename}.",
                            "Try again later; if it persists, check HF_ENDPOINT.")
     etag, size = meta.etag, int(meta.size or f.size)
+    unsafe = transfer.unsafe_name(etag, meta.commit_hash, f.revision, f.filename)
+    if unsafe is not None:  # checked before anything is created in the cache
+        raise LibraryError(f"The hub answered {f.repo_id}/{f.filename} with an unsafe {unsafe}; nothing was "
+                           f"written.", "Check HF_ENDPOINT: a hub or proxy that sends such names is not to be "
+                           "trusted.")
     storage = _storage(f)
     (storage / "blobs").mkdir(parents=True, exist_ok=True)
     lock = cache_dir() / ".locks" / storage.name / f"{etag}.lock"
@@ -159,6 +165,10 @@ def download(f: HubFile, *, on_progress: Callable[[DownloadProgress], None] | No
                 raise LibraryError(f"Cannot write {f.filename} into {storage}: {e}.",
                                    "Check that the folder is writable, or point HF_HOME at one that is.") from e
             except Exception as e:  # the HTTP client's errors, each named by _hub_error
+                if isinstance(e, transfer.Stalled) or type(e).__name__ == "ReadTimeout":
+                    raise LibraryError(f"The hub stopped sending {f.filename} ({stall_words(e)}), {transfer.RETRIES} "
+                                       f"times in a row.", "Try again later: the download continues from the part "
+                                       "already on disk.") from e
                 raise _hub_error(e, f"download {f.repo_id}/{f.filename}") from e
         path = transfer.place(storage, etag, meta.commit_hash, f.revision, f.filename, partial)
         if partial is not None and f.sha256:
@@ -167,6 +177,12 @@ def download(f: HubFile, *, on_progress: Callable[[DownloadProgress], None] | No
     if on_progress is not None:
         on_progress(DownloadProgress(size, size, bar.rate, 0.0))
     return path
+
+
+def stall_words(e: Exception) -> str:
+    from engine.library import http, transfer
+
+    return str(e) if isinstance(e, transfer.Stalled) else f"no byte for {http.READ_S:g} s"
 
 
 def _download_parts(f: HubFile, on_progress: Callable[[DownloadProgress], None] | None,

@@ -124,6 +124,9 @@ def _guard(what: str):
     if offline():
         raise OfflineError(f"Cannot {what}: offline mode is on (HF_HUB_OFFLINE).",
                            "Unset HF_HUB_OFFLINE to search and download; models already downloaded still work.")
+    from engine.library.http import check_reachable
+
+    check_reachable(endpoint(), what)
 
 
 def search(query: str, limit: int = 20) -> list[RepoResult]:

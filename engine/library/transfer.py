@@ -10,17 +10,27 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import threading
 import time
 from pathlib import Path
 from typing import Callable
 
+from engine.library import http
+
 RETRIES = 5  # transport failures in a row before giving up
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_ETAG = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # a sha256 or git sha1 on the hub; never "..", never a "/"
 CHUNK = 1 << 20
+SLOW_BYTES = 64 << 10
 
 
 class _Cancelled(Exception):
     pass
+
+
+class Stalled(Exception):
+    """The hub sent less than SLOW_BYTES in a window of READ_S * 2 seconds (a trickle no read timeout catches)."""
 
 
 class _Mismatch(Exception):
@@ -35,6 +45,26 @@ def _hash_file(path: Path, h, cancel: threading.Event | None) -> None:
             if cancel is not None and cancel.is_set():
                 raise _Cancelled()
             h.update(chunk)
+
+
+def _copy(response, out, done: int, size: int, report: Callable[[int, int], None],
+          cancel: threading.Event | None) -> None:
+    """The body into ``out`` as it arrives, reporting progress; Stalled when a window brings under SLOW_BYTES."""
+    window, window_start, reported = 0, time.monotonic(), done
+    for chunk in response.iter_bytes():  # pieces as they arrive, so a trickle is seen
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled()
+        out.write(chunk)
+        done, window = done + len(chunk), window + len(chunk)
+        now = time.monotonic()
+        if now - window_start > 2 * http.READ_S:
+            if window < SLOW_BYTES:
+                raise Stalled(f"{window} bytes in {now - window_start:.0f} s")
+            window, window_start = 0, now
+        if done - reported >= CHUNK:
+            report(done, size)
+            reported = done
+    report(done, size)
 
 
 def transfer(url: str, headers: dict[str, str], partial: Path, size: int, sha256: str,
@@ -54,18 +84,13 @@ def transfer(url: str, headers: dict[str, str], partial: Path, size: int, sha256
             break
         request = dict(headers, Range=f"bytes={have}-") if have else dict(headers)
         try:
-            with get_session().stream("GET", url, headers=request, follow_redirects=True) as response:
+            with get_session().stream("GET", url, headers=request, follow_redirects=True,
+                                      timeout=http.timeout()) as response:  # no byte for READ_S: a ReadTimeout
                 response.raise_for_status()
                 mode = "ab" if have and response.status_code == 206 else "wb"  # 200: the server ignored the range
-                done = have if mode == "ab" else 0
                 with partial.open(mode) as out:
-                    for chunk in response.iter_bytes(CHUNK):
-                        if cancel is not None and cancel.is_set():
-                            raise _Cancelled()
-                        out.write(chunk)
-                        done += len(chunk)
-                        failures = 0
-                        report(done, size)
+                    _copy(response, out, have if mode == "ab" else 0, size, report, cancel)
+                    failures = 0
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 partial.unlink(missing_ok=True)
@@ -73,8 +98,9 @@ def transfer(url: str, headers: dict[str, str], partial: Path, size: int, sha256
         except Exception as e:  # a cut connection: resume from what reached the disk, a few times
             from engine.library.hub import is_network_error
 
-            failures += 1
-            if not is_network_error(e) or failures > RETRIES:
+            grew = partial.exists() and partial.stat().st_size >= have + SLOW_BYTES
+            failures = 1 if grew else failures + 1  # in a row: one that brought data first starts the count again
+            if not (is_network_error(e) or isinstance(e, Stalled)) or failures > RETRIES:
                 raise
             time.sleep(min(0.2 * failures, 2.0))
     if sha256:
@@ -83,6 +109,20 @@ def transfer(url: str, headers: dict[str, str], partial: Path, size: int, sha256
         if h.hexdigest() != sha256.lower():
             partial.unlink(missing_ok=True)
             raise _Mismatch(h.hexdigest())
+
+
+def unsafe_name(etag: str, commit: str, revision: str, filename: str) -> str | None:
+    """What is wrong with the names that become paths in the cache (the hub's commit and ETag, the revision, the
+    file's name), or None. Each must stay inside its folder: a hostile hub's ``../`` would write elsewhere."""
+    if not _COMMIT.fullmatch(commit or ""):
+        return f"commit {commit!r:.80} (not 40 hexadecimal digits)"
+    if not _ETAG.fullmatch(etag or ""):
+        return f"ETag {etag!r:.80} (not a hash)"
+    for what, name in (("revision", revision), ("file name", filename)):
+        parts = name.split("/")
+        if not name or name.startswith("/") or "\\" in name or "\0" in name or any(p in ("", ".", "..") for p in parts):
+            return f"{what} {name!r:.80} (not a relative path inside the repository)"
+    return None
 
 
 def place(storage: Path, etag: str, commit: str, revision: str, filename: str, partial: Path | None) -> Path:

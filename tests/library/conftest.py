@@ -78,7 +78,9 @@ class Repo:
 
 class StandInHub:
     """Repositories, plus switches: ``cut`` (filenames whose next GET stops halfway), ``rate`` (bytes per second),
-    ``requests`` (a log)."""
+    ``stall`` (filename -> the offset where its GETs go quiet), ``silent`` (no request is answered),
+    ``file_headers`` (headers a file's answer sends instead of the usual ones), ``requests`` (a log). ``released``
+    ends every stall and silence (the fixture sets it at the end)."""
 
     def __init__(self):
         self.repos: dict[str, Repo] = {}
@@ -87,6 +89,10 @@ class StandInHub:
         self.lock = threading.Lock()
         self.url = ""
         self.rate = 0  # bytes per second of a file's body (0: as fast as the loopback goes)
+        self.stall: dict[str, int] = {}
+        self.silent = False
+        self.file_headers: dict[str, str] = {}
+        self.released = threading.Event()
 
     def add(self, repo: Repo) -> Repo:
         self.repos[repo.repo_id] = repo
@@ -140,6 +146,9 @@ def _handler(hub: StandInHub):
             path = unquote(u.path)
             with hub.lock:
                 hub.requests.append((self.command, path, self.headers.get("Range", "")))
+            if hub.silent:  # a hub that accepts the connection and never answers
+                hub.released.wait(120)
+                return None
             if path == "/api/models":
                 q = (parse_qs(u.query).get("search") or [""])[0].lower()
                 return self._json([self._model(r) for r in hub.repos.values() if q in r.repo_id.lower()])
@@ -175,14 +184,21 @@ def _handler(hub: StandInHub):
             if rng:
                 self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
             self.send_header("Accept-Ranges", "bytes")
-            self.send_header("X-Repo-Commit", COMMIT)
-            self.send_header("ETag", f'"{r.sha(name)}"')
-            self.send_header("X-Linked-Etag", f'"{r.sha(name)}"')
+            headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{r.sha(name)}"', "X-Linked-Etag": f'"{r.sha(name)}"',
+                       **hub.file_headers}
+            for key, value in headers.items():
+                self.send_header(key, value)
             self.send_header("X-Linked-Size", str(len(data)))
             self.end_headers()
             if not body:
                 return
             chunk = data[start:end + 1]
+            if name in hub.stall:  # the file up to that offset, then nothing: the connection stays open and quiet
+                self.wfile.write(chunk[:max(hub.stall[name] - start, 0)])
+                self.wfile.flush()
+                hub.released.wait(120)
+                self.close_connection = True
+                return
             with hub.lock:
                 cut = name in hub.cut and not rng.startswith("bytes=0-") and len(chunk) > 1
                 if cut:
@@ -229,6 +245,7 @@ def hub(hf_home, monkeypatch):
     state.url = f"http://127.0.0.1:{server.server_address[1]}"
     monkeypatch.setenv("HF_ENDPOINT", state.url)
     yield state
+    state.released.set()
     server.shutdown()
     server.server_close()
 
