@@ -9,12 +9,12 @@ same validation as at startup (``settings_from_mapping``), and the effective def
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.config.loading import BY_NAME, ConfigError, settings_from_mapping
+from engine.server.bodyjson import check_size, loads
 from engine.server.errors import APIError, invalid_text_at, invalid_text_message, json_type, shown
 from engine.server.schemas import INT32_MAX
 from engine.server.state import ServerState
@@ -130,9 +130,11 @@ def router(state: ServerState) -> APIRouter:
     @r.put(SETTINGS_PATH, openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": _PUT_SCHEMA}}}})
     async def put_settings(request: Request):
+        raw = await request.body() or b"null"
+        check_size(raw)  # the bounds and number rules of the API routes' bodies
         try:
-            changes = json.loads(await request.body() or b"null")
-        except (ValueError, UnicodeDecodeError) as e:
+            changes = loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise APIError(400, f"The request body is not valid JSON: {e}.", code="invalid_request") from None
         state.apply_settings(updated_settings(state, changes))
         return JSONResponse(settings_view(state))

@@ -83,7 +83,7 @@ def wait_idle(engine, timeout=10.0):
     return engine.stats()
 
 
-def post_while_polling_health(base_url: str, path: str, content: bytes):
+def post_while_polling_health(base_url: str, path: str, content: bytes, method: str = "POST"):
     """(response, seconds it took, the slowest /health answer meanwhile)."""
     slowest, done = [0.0], threading.Event()
 
@@ -101,7 +101,7 @@ def post_while_polling_health(base_url: str, path: str, content: bytes):
         time.sleep(0.05)
         t = time.perf_counter()
         with httpx.Client(base_url=base_url, timeout=120) as c:
-            r = c.post(path, content=content, headers={"Content-Type": "application/json"})
+            r = c.request(method, path, content=content, headers={"Content-Type": "application/json"})
         took = time.perf_counter() - t
     finally:
         done.set()

@@ -161,3 +161,12 @@ def test_many_hosted_tools_are_named_in_a_header_of_bounded_size(scripted, path)
     names = header.split(", ")
     assert names[:16] == [f"hosted_{i:03d}_" + "t" * 50 for i in range(16)] and names[16] == "and 84 more"
     assert len(header) < 1200
+
+
+@pytest.mark.parametrize("body, code", [(b'{"temperature": NaN}', "invalid_number"),
+                                        (b'{"top_k": ' + b"9" * 5000 + b"}", "invalid_number"),
+                                        (b'{"stop": [' + b",".join([b'"a"'] * 3_000_000) + b"]}", "too_many_values")])
+def test_the_settings_route_reads_its_body_with_the_same_bounds(scripted, body, code):
+    r, took, slowest = post_while_polling_health(scripted.base_url, "/ninfer/v1/settings", body, method="PUT")
+    assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text[:300]
+    assert took < 5.0 and slowest < HEALTH_BOUND + SCHEDULING_NOISE, (took, slowest)
