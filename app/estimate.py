@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.ledger import Ledger, ModelShape, build_ledger
+from engine.model.inspect import ModelInfo as Inspected, inspect, runnable
 
 MIB = 2**20
 
@@ -28,11 +29,25 @@ SEGMENTS = (("weights", "weights", ("weights",)), ("draft", "draft", ("draft", "
 
 @dataclass
 class ModelInfo:
-    path: Path
-    kind: str  # "gguf" | "hf"
-    config: Any  # engine.model.config.ModelConfig
-    shape: ModelShape  # what the memory ledger plans for
-    file_bytes: int
+    """A model's metadata (engine.model.inspect) and the shape the memory ledger plans for."""
+    meta: Inspected
+    shape: ModelShape
+
+    @property
+    def path(self) -> Path:
+        return self.meta.path
+
+    @property
+    def kind(self) -> str:  # "gguf" | "hf"
+        return self.meta.kind
+
+    @property
+    def config(self) -> Any:  # engine.model.config.ModelConfig
+        return self.meta.config
+
+    @property
+    def file_bytes(self) -> int:
+        return self.meta.file_bytes
 
     @property
     def name(self) -> str:
@@ -43,48 +58,15 @@ class ModelInfo:
         return self.shape.params
 
 
-_INFO_CACHE: dict[tuple, ModelInfo] = {}
-
-
-def _size(path: Path) -> int:
-    if path.is_dir():
-        return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-    return path.stat().st_size
-
-
 def model_info(path: str | Path | None) -> ModelInfo:
     """Reads a model's config and shape without loading weights; raises NInferError (ModelLoadError) with a remedy
-    when the path is not a usable model. Cached by path, size and modification time. An ``hf:ORG/REPO[:QUANT]``
-    reference is looked up in the hub cache only: a check never downloads."""
-    from engine.errors import ModelLoadError
+    when the path is not a usable model. An ``hf:ORG/REPO[:QUANT]`` reference is looked up in the hub cache only: a
+    check never downloads."""
     from engine.library.resolve import is_hf_spec, resolve_hf
-    from engine.model.loader import resolve_model_path
 
-    if is_hf_spec(path):
-        p = resolve_hf(str(path), download_missing=False)
-    else:
-        p = resolve_model_path(str(path) if path else None)
-    stat = p.stat()
-    key = (str(p), stat.st_mtime_ns, stat.st_size)
-    if key in _INFO_CACHE:
-        return _INFO_CACHE[key]
-    if p.is_dir():
-        from engine.model.hf_folder import read_config
-        info = ModelInfo(p, "hf", read_config(p), ModelShape.from_path(p), _size(p))
-    else:
-        with open(p, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF" and p.suffix.lower() == ".gguf":
-            raise ModelLoadError(f"{p.name} is not a readable GGUF file: it does not start with the GGUF header "
-                                 f"(it may be incomplete or damaged).",
-                                 "Download it again, or pick another model.")
-        if magic != b"GGUF":
-            raise ModelLoadError(f"{p.name} is neither a GGUF file nor a model folder.",
-                                 "Pick a .gguf file, or a folder with config.json and *.safetensors.")
-        from engine.model.gguf_file import open_gguf, read_config
-        info = ModelInfo(p, "gguf", read_config(open_gguf(p), p), ModelShape.from_path(p), stat.st_size)
-    _INFO_CACHE[key] = info
-    return info
+    p = resolve_hf(str(path), download_missing=False) if is_hf_spec(path) else path
+    meta = runnable(inspect(p))  # the launcher starts only what the engine runs
+    return ModelInfo(meta, ModelShape.from_info(meta))
 
 
 # ---------------------------------------------------------------- the bars

@@ -1,9 +1,6 @@
 """Model shapes the ledger plans for: from a config, a file's metadata, or a synthetic name."""
 from __future__ import annotations
 
-import json
-import math
-import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -99,10 +96,20 @@ class ModelShape:
         """A synthetic name, a GGUF file or a Hugging Face folder (metadata only), or None for the embedded model."""
         if path is not None and str(path) in SYNTHETIC_NAMES:
             return cls.synthetic(str(path))
-        from engine.model.loader import resolve_model_path
+        from engine.model.inspect import inspect
 
-        p = resolve_model_path(str(path) if path else None)
-        return _folder_shape(p) if p.is_dir() else _gguf_shape(p)
+        return cls.from_info(inspect(path))
+
+    @classmethod
+    def from_info(cls, info: Any) -> "ModelShape":
+        """From a model's metadata (engine.model.inspect.ModelInfo): its config when the engine runs it, else the
+        dimensions read from the file."""
+        if info.config is not None:
+            return cls.from_config(info.config, stored_bytes=info.stored_bytes, stored_format=info.stored_format,
+                                   source=info.kind, params=info.params or None, mtp_layers=info.mtp_layers)
+        return cls(name=info.name, params=info.params, stored_bytes=info.stored_bytes,
+                   stored_format=info.stored_format, source=info.kind, mtp_layers=info.mtp_layers,
+                   linear=LinearAttention(*info.linear) if info.linear else None, **info.dims)
 
     def on_device(self, on_gpu: bool, weight_dtype: str = "auto") -> "ModelShape":
         """This shape with the linear-attention conv window in the dtype the engine keeps it in on that device with
@@ -173,154 +180,3 @@ def _qwen35_27b_like() -> ModelShape:
         linear=LinearAttention(layers - full, vh, kd, vd, conv_dim, kernel), mtp_layers=1,
         # seed 2: Ternary-Bonsai-2-27B is 6.70 GiB (the formula, 2 bits + an fp16 scale per 64, gives 7.05 GiB)
         weight_bytes_by_dtype={"ternary": round(6.70 * GIB)})
-
-
-def _gguf_block(name: str) -> int:
-    """The block a GGUF tensor belongs to (blk.N.*), -1 for the others (embeddings, output)."""
-    parts = name.split(".")
-    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else -1
-
-
-def _gguf_shape(path: Path) -> ModelShape:
-    from engine.model.config import GGUF_ARCHS, GGUF_HYBRID_ARCHS, GGUF_MOE_ARCHS
-    from engine.model.gguf_file import _field, open_gguf, read_config
-
-    reader = open_gguf(path)
-    arch = _field(reader, "general.architecture")
-    if arch in GGUF_ARCHS + GGUF_HYBRID_ARCHS or arch in GGUF_MOE_ARCHS:
-        # the engine's own reader (MoE files are refused as the engine refuses them); the weights line counts the
-        # main model, the MTP blocks llama.cpp appends (blk.{layers}.nextn.*) are the MTP draft line
-        cfg = read_config(reader, path)
-        main = [t for t in reader.tensors if _gguf_block(t.name) < cfg.num_layers]
-        fmt = f"GGUF {'/'.join(sorted({t.tensor_type.name for t in main}))}"
-        mtp = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
-        return ModelShape.from_config(cfg, stored_bytes=sum(int(t.n_bytes) for t in main), stored_format=fmt,
-                                      source="gguf", params=sum(int(t.n_elements) for t in main), mtp_layers=mtp)
-    stored = sum(int(t.n_bytes) for t in reader.tensors)
-    params = sum(int(t.n_elements) for t in reader.tensors)
-    fmt = f"GGUF {'/'.join(sorted({t.tensor_type.name for t in reader.tensors}))}"
-
-    def get(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
-
-    layers, hidden = get("block_count"), get("embedding_length")
-    if not layers or not hidden:
-        raise ModelLoadError(f"{path.name}: architecture '{arch}' has no block_count/embedding_length metadata.",
-                             "The file was converted by an incompatible tool; convert it again.")
-    heads = get("attention.head_count", 0) or 0
-    heads = int(max(heads) if isinstance(heads, (list, tuple)) else heads)
-    kv = get("attention.head_count_kv", heads)
-    per_layer_kv = list(kv) if isinstance(kv, (list, tuple)) else None
-    interval = int(get("full_attention_interval", 0) or 0)
-    if per_layer_kv is not None:  # llama.cpp hybrids: 0 KV heads on recurrent layers
-        full = sum(1 for n in per_layer_kv if n)
-        kv_heads = max(per_layer_kv)
-    else:
-        kv_heads = int(kv)
-        full = int(layers) // interval if interval else int(layers)
-    head_dim = int(get("attention.key_length", int(hidden) // max(heads, 1)))
-    linear = None
-    if full < int(layers):
-        v_heads, k_heads = int(get("ssm.time_step_rank", 0)), int(get("ssm.group_count", 0))
-        k_dim = int(get("ssm.state_size", 0))
-        inner = int(get("ssm.inner_size", 0))
-        v_dim = inner // v_heads if v_heads else 0
-        linear = LinearAttention(int(layers) - full, v_heads, k_dim, v_dim, 2 * k_heads * k_dim + inner,
-                                 int(get("ssm.conv_kernel", 4)))
-    ff = get("feed_forward_length", 0)
-    return ModelShape(name=str(_field(reader, "general.name", path.stem)), layers=int(layers),
-                      full_attention_layers=full, kv_heads=kv_heads, head_dim=head_dim, hidden=int(hidden),
-                      vocab=int(get("vocab_size", 0) or len(_field(reader, "tokenizer.ggml.tokens", []) or [])),
-                      params=params, heads=heads, intermediate=int(max(ff) if isinstance(ff, list) else ff or 0),
-                      max_position=int(get("context_length", 4096)), stored_bytes=stored, stored_format=fmt,
-                      source="gguf", linear=linear, mtp_layers=int(get("nextn_predict_layers", 0) or 0))
-
-
-@dataclass(frozen=True)
-class _Totals:
-    params: int = 0
-    stored: int = 0
-    dtypes: str = ""
-    mtp_layers: int = 0
-    files: int = 0
-
-
-def _safetensors_totals(folder: Path) -> _Totals:
-    """The text model's parameters, bytes and dtypes from the safetensors headers, without reading any tensor: the
-    vision tower of a multimodal checkpoint is never loaded, and the MTP layers (mtp.*) are the MTP draft line."""
-    from engine.model.config import VISION_PREFIX
-
-    params = stored = 0
-    dtypes: set[str] = set()
-    mtp: set[str] = set()
-    files = sorted(folder.glob("*.safetensors"))
-    for f in files:
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, entry in header.items():
-            if name == "__metadata__" or name.startswith(VISION_PREFIX):
-                continue
-            if name.startswith("mtp."):
-                if name.startswith("mtp.layers."):
-                    mtp.add(name.split(".")[2])
-                continue
-            params += math.prod(int(d) for d in entry.get("shape", []))
-            start, end = entry.get("data_offsets", (0, 0))
-            stored += int(end) - int(start)
-            dtypes.add(str(entry.get("dtype", "?")))
-    return _Totals(params, stored, "/".join(sorted(dtypes)), len(mtp), len(files))
-
-
-def _folder_shape(folder: Path) -> ModelShape:
-    try:
-        totals = _safetensors_totals(folder)
-    except (OSError, ValueError, struct.error) as e:
-        raise ModelLoadError(f"{folder}: a safetensors header cannot be read ({e}).",
-                             "The file is truncated or damaged; download it again.") from None
-    params, stored = totals.params, totals.stored
-    fmt = f"safetensors {totals.dtypes}" if totals.dtypes else ""
-    try:
-        raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{folder}/config.json cannot be read ({e}).",
-                             "Pass a GGUF file or a Hugging Face model folder (config.json + *.safetensors).") from None
-    from engine.model.config import HF_ARCHS
-
-    if any(a in HF_ARCHS or "Moe" in a for a in raw.get("architectures") or []):
-        from engine.model.hf_folder import read_config  # the engine's reader: MoE models refused as it refuses them
-
-        # MTP layers: those the weights hold; without weights (a config.json alone), what the config says
-        text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
-        mtp = totals.mtp_layers if totals.files else int(text.get("mtp_num_hidden_layers") or 0)
-        return ModelShape.from_config(read_config(folder), stored_bytes=stored, stored_format=fmt, source="hf",
-                                      params=params or None, mtp_layers=mtp)
-    text = raw.get("text_config") or raw  # multimodal checkpoints nest the language model's config
-    try:
-        layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
-        heads = int(text["num_attention_heads"])
-        kv_heads = int(text.get("num_key_value_heads") or heads)
-        head_dim = int(text.get("head_dim") or hidden // heads)
-        types = text.get("layer_types") or []
-        interval = int(text.get("full_attention_interval") or 0)
-        if types:
-            full = sum(1 for t in types if t == "full_attention")
-        else:
-            full = layers // interval if interval and "linear_num_value_heads" in text else layers
-        linear = None
-        if full < layers:
-            kh, vh = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
-            kd, vd = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
-            linear = LinearAttention(layers - full, vh, kd, vd, 2 * kh * kd + vh * vd,
-                                     int(text.get("linear_conv_kernel_dim", 4)))
-        vocab, inter = int(text["vocab_size"]), int(text.get("intermediate_size") or 0)
-    except (KeyError, TypeError, ValueError) as e:
-        raise ModelLoadError(f"{folder}/config.json: field {e} is missing or malformed.",
-                             "Download the model folder again.") from None
-    if not params:  # no weights here: estimate like a llama-style model
-        params = 2 * vocab * hidden + layers * (4 * hidden * heads * head_dim + 3 * hidden * (inter or 3 * hidden))
-    return ModelShape(name=folder.name, layers=layers, full_attention_layers=full, kv_heads=kv_heads,
-                      head_dim=head_dim, hidden=hidden, vocab=vocab, params=params, heads=heads, intermediate=inter,
-                      max_position=int(text.get("max_position_embeddings", 4096)), stored_bytes=stored,
-                      stored_format=fmt, source="hf", linear=linear,
-                      mtp_layers=int(text.get("mtp_num_hidden_layers") or 0))

@@ -40,12 +40,17 @@ def install_timeouts() -> None:
         _installed = True
 
 
+def is_network_error(e: BaseException) -> bool:
+    """A connection that failed or timed out (the hub client's HTTP library, whatever its module, or the OS)."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return isinstance(e, OSError) or bool(names & {"TransportError", "NetworkError", "TimeoutException"})
+
+
 def check_reachable(endpoint: str, what: str) -> None:
     """An OfflineError at once when nothing answers at ``endpoint`` (any HTTP answer counts: the address is right)."""
     from huggingface_hub.utils import get_session
 
     from engine.library.errors import OfflineError
-    from engine.library.hub import is_network_error
 
     install_timeouts()
     if time.monotonic() - _reached.get(endpoint, -REACHED_FOR_S) < REACHED_FOR_S:

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 from engine.library.errors import LibraryError, OfflineError
+from engine.library.http import is_network_error
 from engine.library.token import load_token
 
 _QUANT = re.compile(r"(?:^|[-._])((?:I?Q|TQ)\d(?:_[A-Z0-9]+)*|BF16|F16|F32|MXFP4)(?=[-.])", re.IGNORECASE)
@@ -112,12 +113,6 @@ def _hub_error(e: Exception, what: str) -> LibraryError:
                             "Check the network connection (or HF_ENDPOINT); models already downloaded still work.")
     return LibraryError(f"Cannot {what}: the hub answered {type(e).__name__}: {e}.",
                         "Try again later; if it persists, check HF_ENDPOINT.")
-
-
-def is_network_error(e: BaseException) -> bool:
-    """A connection that failed or timed out (the hub client's HTTP library, whatever its module, or the OS)."""
-    names = {c.__name__ for c in type(e).__mro__}
-    return isinstance(e, OSError) or bool(names & {"TransportError", "NetworkError", "TimeoutException"})
 
 
 def _guard(what: str):

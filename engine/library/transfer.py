@@ -96,11 +96,9 @@ def transfer(url: str, headers: dict[str, str], partial: Path, size: int, sha256
                 partial.unlink(missing_ok=True)
             raise
         except Exception as e:  # a cut connection: resume from what reached the disk, a few times
-            from engine.library.hub import is_network_error
-
             grew = partial.exists() and partial.stat().st_size >= have + SLOW_BYTES
             failures = 1 if grew else failures + 1  # in a row: one that brought data first starts the count again
-            if not (is_network_error(e) or isinstance(e, Stalled)) or failures > RETRIES:
+            if not (http.is_network_error(e) or isinstance(e, Stalled)) or failures > RETRIES:
                 raise
             time.sleep(min(0.2 * failures, 2.0))
     if sha256:
