@@ -1,12 +1,13 @@
 // decode_step: a llama-family decoder stack for decode rows (one token each) in one call (kernels/cpu_decode.py).
 //
-// Built in one unit after cpu_native.cpp and cpu_dense.cpp, whose lowbit_into, check_lowbit, dense_into, rms_row and
-// hsum it calls. Each linear is dense float32 or low-bit (`Linear`, cpu_hybrid.cpp's too). Per layer:
+// It calls lowbit_into, check_lowbit, dense_into, rms_row and hsum (cpu_kernels.h). Each linear is dense float32 or low-bit (`Linear`, cpu_hybrid.cpp's too). Per layer:
 // RMSNorm, the fused qkv GEMV (+ bias), Qwen3's per-head q/k norms, RoPE (half-split), the K/V write to each row's
 // slot, attention over each row's pages, o (+ bias), the residual, RMSNorm, gate_up, SiLU * up, down, the residual;
 // then the final norm. The arithmetic is the eager layer's (engine/model/llama.py) with the same kernels for the
 // GEMVs and norms; attention splits each row's context into chunks the threads share (partial softmax, merged).
-namespace {
+#include "cpu_kernels.h"
+
+namespace ninfer {
 
 constexpr int64_t PER_LAYER = 18;  // entries of `weights` a layer takes, in this order (a dense linear: S, M None):
 enum { IN_NORM, POST_NORM, QKV, QKV_S, QKV_M, QKV_B, O, O_S, O_M, O_B, GU, GU_S, GU_M, DOWN, DOWN_S, DOWN_M, Q_NORM,
@@ -73,9 +74,6 @@ inline float dot_kv(const float* q, const T* k, int64_t d) {
 #endif
 }
 
-struct Shape {
-  int64_t heads, kv_heads, dim, page_size, pages;  // pages: columns of the page table
-};
 
 // acc [D] += sum over tokens i of p[i] * v_i, the V rows of n tokens `stride` floats apart (kept in registers: one
 // pass over V a slice of 64 values)
@@ -170,7 +168,7 @@ void attention(const float* q, const T* kc, const T* vc, const int32_t* table, c
 }
 
 // n floats into a float32 or float16 cache at element `at`
-inline void store_row(const at::Tensor& cache, int64_t at, const float* src, int64_t n) {
+void store_row(const at::Tensor& cache, int64_t at, const float* src, int64_t n) {
   if (cache.scalar_type() == at::kFloat)
     store_kv(cache.data_ptr<float>() + at, src, n);
   else
@@ -200,7 +198,7 @@ inline void rope(float* x, int64_t heads, int64_t D, const float* c, const float
 }
 
 // out = silu(gate) * up for rows of [gate | up] (2 * n each)
-inline void silu_mul(const float* gu, int64_t rows, int64_t n, float* out) {
+void silu_mul(const float* gu, int64_t rows, int64_t n, float* out) {
   std::vector<float> e(n);
   for (int64_t r = 0; r < rows; ++r) {
     const float *g = gu + r * 2 * n, *u = g + n;
@@ -209,27 +207,6 @@ inline void silu_mul(const float* gu, int64_t rows, int64_t n, float* out) {
     for (int64_t i = 0; i < n; ++i) out[r * n + i] = g[i] / (1.f + e[i]) * u[i];
   }
 }
-
-// a linear of a decode step: a dense float32 weight [out, in] (no scales; dense_linear's GEMV) or low-bit codes
-// (lowbit_linear's operands), and an optional float32 bias; read from `ws` at entries at, at + 1, at + 2 (weight or
-// codes, scales, mins) and `bias` (-1: none) by read_linear, which checks them against `in` inputs
-struct Linear {
-  at::Tensor w;
-  std::optional<at::Tensor> scales, mins, bias;
-  bool sym = false;
-  int64_t in = 0, out = 0;
-  void run(const float* x, int64_t B, float* y) const {
-    if (scales)
-      lowbit_into(x, B, in, w, *scales, mins, sym, y);
-    else
-      dense_into(x, B, in, w.data_ptr<float>(), out, nullptr, y);
-    if (bias) {
-      const float* bp = bias->data_ptr<float>();
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t i = 0; i < out; ++i) y[b * out + i] += bp[i];
-    }
-  }
-};
 
 Linear read_linear(const c10::List<std::optional<at::Tensor>>& ws, int64_t at_, int64_t bias, bool sym, int64_t in,
                    const char* op, int64_t layer) {
@@ -363,11 +340,11 @@ at::Tensor decode_step(const at::Tensor& x_, const c10::List<std::optional<at::T
   return out;
 }
 
-}  // namespace
+}  // namespace ninfer
 
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def("decode_step(Tensor x, Tensor?[] weights, int[] syms, Tensor final_norm, Tensor[] k_cache, Tensor[] v_cache, "
         "Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor page_table, Tensor ctx_lens, int[] dims, "
         "float eps, float scale) -> Tensor");
-  m.impl("decode_step", c10::DispatchKey::CPU, &decode_step);
+  m.impl("decode_step", c10::DispatchKey::CPU, &ninfer::decode_step);
 }

@@ -1,9 +1,11 @@
 // dense_linear: y = x @ W.T (+ bias) for a few float32 rows of x and a float32 weight W [N, K] (kernels/cpu_native.py;
-// built in one unit after cpu_native.cpp, whose hsum it calls). Memory-bound decode GEMVs: each weight row is read
+// hsum from cpu_kernels.h). Memory-bound decode GEMVs: each weight row is read
 // once for up to four rows of x, the threads share the weight rows in contiguous runs. ATen's float32 GEMV reads a
 // 512-wide layer at about half the bandwidth this reaches on two AVX2 cores (docs/KERNELS.md). Summation order only
 // differs from a float32 matmul: eight lanes a row, four accumulators each in K order, then the lanes added.
-namespace {
+#include "cpu_kernels.h"
+
+namespace ninfer {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // R rows of x against W rows w0..w0 + WR - 1 (K % 8 == 0): WR * R accumulators
@@ -75,9 +77,9 @@ at::Tensor dense_linear(const at::Tensor& x_, const at::Tensor& w, const std::op
   return y;
 }
 
-}  // namespace
+}  // namespace ninfer
 
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def("dense_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("dense_linear", c10::DispatchKey::CPU, &dense_linear);
+  m.impl("dense_linear", c10::DispatchKey::CPU, &ninfer::dense_linear);
 }

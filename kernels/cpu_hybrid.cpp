@@ -1,6 +1,6 @@
 // hybrid_step: the decode step of a Qwen3.5-class Gated-DeltaNet hybrid for rows of one token each, in one call
-// (engine/model/cpu_hybrid.py). Built in one unit after cpu_native.cpp, cpu_dense.cpp and cpu_decode.cpp, whose
-// Linear, read_linear, rms_row, attention and finish_layer it calls.
+// (engine/model/cpu_hybrid.py). It calls Linear, read_linear, rms_row, attend,
+// finish_layer and moe_rows of the other units (cpu_kernels.h).
 //
 // The arithmetic is the eager layers' (engine/model/gdn.py, qwen35.py) in float32, each linear dense float32 or low-bit
 // (the GEMVs of dense_linear and lowbit_linear). A GDN layer: RMSNorm, in_proj [qkv | z | b | a], the causal conv
@@ -11,7 +11,9 @@
 // `rotated` dims of each head, the K/V write, attention over the row's pages, times sigmoid(gate), o_proj. Then each
 // layer's MLP: dense, or a mixture of experts (kernels/cpu_moe.cpp) where `moe_at` gives the layer's first entry of
 // `moe_weights`; then the final norm.
-namespace {
+#include "cpu_kernels.h"
+
+namespace ninfer {
 
 constexpr int64_t HYB_PER_LAYER = 18;  // entries of `weights` a layer takes, in this order (3 per linear):
 enum { HY_IN_NORM, HY_POST_NORM, HY_MIX_IN, HY_MIX_OUT = HY_MIX_IN + 3, HY_GU = HY_MIX_OUT + 3, HY_DOWN = HY_GU + 3,
@@ -278,12 +280,12 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
   return out;
 }
 
-}  // namespace
+}  // namespace ninfer
 
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def("hybrid_step(Tensor x, Tensor?[] weights, int[] kinds, int[] syms, Tensor final_norm, Tensor[] k_cache, "
         "Tensor[] v_cache, Tensor[] conv_states, Tensor[] ssm_states, Tensor state_slots, Tensor cos, Tensor sin, "
         "Tensor positions, Tensor slots, Tensor page_table, Tensor ctx_lens, int[] dims, float eps, "
         "Tensor?[] moe_weights, int[] moe_at, int[] moe_syms, int[] moe_dims) -> Tensor");
-  m.impl("hybrid_step", c10::DispatchKey::CPU, &hybrid_step);
+  m.impl("hybrid_step", c10::DispatchKey::CPU, &ninfer::hybrid_step);
 }

@@ -2,18 +2,11 @@
 // arithmetic in float32): router logits = h @ router.T (dense float32), a softmax over the experts, the top k
 // (largest first), renormalised over the k when `renorm`; each picked expert is down(silu(gate) * up) over the
 // fused [gate | up] GEMV; the rows that picked an expert run through it together (its weights read once for them);
-// the shared expert runs for every row, scaled by sigmoid(h . shared_gate). Built in one unit after cpu_decode.cpp
-// (Linear, read_linear, silu_mul, dense_into) and before cpu_hybrid.cpp, which calls it.
-namespace {
+// the shared expert runs for every row, scaled by sigmoid(h . shared_gate). It calls cpu_decode.cpp's
+// Linear, read_linear and silu_mul and dense_into (cpu_kernels.h); cpu_hybrid.cpp calls it.
+#include "cpu_kernels.h"
 
-struct MoeMlp {
-  const float* router = nullptr;       // [E, H] float32
-  const float* shared_gate = nullptr;  // [H] float32, or null: no shared expert
-  Linear shared_gu, shared_down;
-  std::vector<Linear> gu, down;  // per expert: [2 I, H], [H, I]
-  int64_t experts = 0, top_k = 0, inter = 0, shared_inter = 0;
-  bool renorm = true;
-};
+namespace ninfer {
 
 constexpr int64_t MOE_HEAD = 8;  // entries before the experts: router, shared gate, shared gate_up (3), shared down (3)
 
@@ -115,4 +108,4 @@ void moe_rows(const MoeMlp& m, const float* h, int64_t B, int64_t H, float* r) {
   for (int64_t i = 0; i < B * H; ++i) r[i] += acc[i];
 }
 
-}  // namespace
+}  // namespace ninfer

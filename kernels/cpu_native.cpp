@@ -1,49 +1,18 @@
 // CPU kernels built for the machine they run on (kernels/cpu_native.py): the low-bit GEMV/GEMM, the dequantization
-// of the dense prompt path and RMSNorm. Built in one unit with cpu_output.cpp (the output layer) and cpu_decode.cpp
-// (the decode step), in that order, which use what is defined here.
+// of the dense prompt path and RMSNorm; the other units (cpu_kernels.h declares what they share) call them.
 //
 // lowbit_linear: y = x @ W.T for 4-bit (uint8 [N, K / 2], element 2j in the low nibble of byte j, 2j+1 in the high)
 // or grouped int8 codes (int8 [N, K]), W = c * d + m (4-bit symmetric: (c - 8) * d), scales and mins float32 or
 // float16 [N, K / G]. The activations are rounded to int16 per block of 32 (kernels.reference.int16_rows: about 4,000
 // times finer than the block's largest value, 256 times finer than bfloat16 there) and multiplied as integers, 16
 // products an instruction; the mins meet the block sums of x in float32. Twin: reference.lowbit_linear_ref.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "cpu_kernels.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <optional>
-#include <type_traits>
-#include <vector>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
-namespace {
-
-constexpr int64_t ROWS = 4;  // rows of x that share one read of a weight row
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-#endif
+namespace ninfer {
 
 // ---------------------------------------------------------------------------------------------------- lowbit_linear
-constexpr int64_t QB = 32;  // activations rounded per block of this many values
-constexpr int64_t MAX_BLOCKS = 1024;  // blocks a row may have (K up to 32,768)
 constexpr int64_t PREFETCH = 4;  // weight rows read ahead
 constexpr int64_t M_BLOCK = 64;  // rows of x a pass over the weight rows takes (32-wide groups)
-
-struct Rows {  // M rows of activations rounded to int16: q [M, K], per block: the step dx and the float32 sum sx
-  std::vector<int16_t> q;
-  std::vector<float> dx, sx;
-};
 
 // interleaved (4-bit codes): a block's rounded values are stored evens first, then odds, the order its nibbles unpack in
 void round_rows(const float* x, int64_t M, int64_t K, bool interleaved, Rows& r) {
@@ -191,8 +160,7 @@ void lowbit_rows(const Rows& xr, int64_t row0, int64_t K, int64_t G, const uint8
   for (int r = 0; r < R; ++r) out[r * out_stride] = acc[r];
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define NINFER_AVX2_F16C 1
+#ifdef NINFER_AVX2_F16C
 template <typename S>
 inline __m256 load8(const S* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
 template <>
@@ -288,6 +256,10 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
    }
   });
 }
+
+// cpu_output.cpp's q8_linear runs int8 codes with float32 scales through it
+template void lowbit_all<false, float>(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp,
+                                       const float* dp, const float* mp, bool sym, float* yp);
 
 // the checks of lowbit_linear's weight operands against rows of length K
 void check_lowbit(int64_t K, const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
@@ -435,7 +407,7 @@ at::Tensor dequantize_into(const at::Tensor& codes, const at::Tensor& scales, co
 }
 
 // y = x * rsqrt(mean(x^2) + eps) * w for one row of D floats
-inline void rms_row(const float* x, const float* w, int64_t D, float eps, float* y) {
+void rms_row(const float* x, const float* w, int64_t D, float eps, float* y) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < D; ++i) s += x[i] * x[i];
@@ -460,13 +432,13 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w, double eps) {
   return y;
 }
 
-}  // namespace
+}  // namespace ninfer
 
 TORCH_LIBRARY(ninfer_cpu, m) {
   m.def("lowbit_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins, bool sym) -> Tensor");
-  m.impl("lowbit_linear", c10::DispatchKey::CPU, &lowbit_linear);
+  m.impl("lowbit_linear", c10::DispatchKey::CPU, &ninfer::lowbit_linear);
   m.def("dequantize_into(Tensor codes, Tensor scales, Tensor? mins, bool sym, Tensor(a!) out) -> Tensor(a!)");
-  m.impl("dequantize_into", c10::DispatchKey::CPU, &dequantize_into);
+  m.impl("dequantize_into", c10::DispatchKey::CPU, &ninfer::dequantize_into);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("rms_norm", c10::DispatchKey::CPU, &ninfer::rms_norm);
 }

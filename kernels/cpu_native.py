@@ -1,5 +1,6 @@
 """CPU kernels in C++ (kernels/cpu_native.cpp, cpu_output.cpp, cpu_dense.cpp, cpu_decode.cpp, cpu_moe.cpp,
-cpu_hybrid.cpp: one unit), built on first use for the machine they run on.
+cpu_hybrid.cpp: one translation unit each, what they share declared in cpu_kernels.h), built on first use for the
+machine they run on into one library.
 
 * `q8_linear(x, qw)`: y = x @ dequantize(qw).T in float32 for grouped int8 weights (codes c, float32 scales d and
   optional mins m per group: w = c*d + m), reading the 1-byte codes once for up to four rows of x. Only the summation
@@ -39,9 +40,10 @@ import torch
 from kernels.quant import QuantizedWeight
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(_HERE, name)  # one unit
+SOURCES = [os.path.join(_HERE, name)  # one translation unit each, linked into one library
            for name in ("cpu_native.cpp", "cpu_output.cpp", "cpu_dense.cpp", "cpu_decode.cpp", "cpu_moe.cpp",
                         "cpu_hybrid.cpp")]
+HEADERS = [os.path.join(_HERE, "cpu_kernels.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 _state: dict = {}  # "error": why the kernel is not available, once tried; "op": the loaded op
@@ -59,10 +61,11 @@ def _cpu_features() -> str:
 
 
 def _source() -> str:
+    """Every source and header, named, as the build key reads them (a change to any of them is another build)."""
     text = []
-    for path in SOURCES:
+    for path in SOURCES + HEADERS:
         with open(path) as f:
-            text.append(f.read())
+            text.append(f"// {os.path.basename(path)}\n{f.read()}")
     return "\n".join(text)
 
 
@@ -88,14 +91,13 @@ def ready() -> str | None:
         _state["error"] = "NINFER_CPU_NATIVE=0"
         return _state["error"]
     try:
-        from torch.utils.cpp_extension import load_inline
-        source = _source()
-        key = build_key(source)
+        from torch.utils.cpp_extension import load
+        key = build_key(_source())
         folder = build_dir(key)
         if folder is not None:
             os.makedirs(folder, exist_ok=True)
-        load_inline(f"ninfer_cpu_{key}", cpp_sources=[source], is_python_module=False, extra_cflags=FLAGS,
-                    extra_ldflags=["-fopenmp"], build_directory=folder)
+        load(f"ninfer_cpu_{key}", sources=SOURCES, extra_include_paths=[_HERE], is_python_module=False,
+             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=folder)
         _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
         _state["lowbit"] = torch.ops.ninfer_cpu.lowbit_linear.default
         _state["rms_norm"] = torch.ops.ninfer_cpu.rms_norm.default

@@ -1,11 +1,13 @@
-// q8_linear, the CPU output layer's kernel (kernels/cpu_native.py; built in one unit after cpu_native.cpp, whose
-// lowbit_all, round_rows and hsum it calls): y = x @ W.T in float32 for grouped int8 weights, W = c * d (+ m): codes
+// q8_linear, the CPU output layer's kernel (kernels/cpu_native.py; it calls
+// cpu_native.cpp's lowbit_all and round_rows, and hsum, from cpu_kernels.h): y = x @ W.T in float32 for grouped int8 weights, W = c * d (+ m): codes
 // c int8 [N, K], scales d (and mins m) float32 [N, K / G]. The twin is kernels.reference.quant_linear_ref with float32
 // activations: a float32 matmul over the dequantized weight up to summation order. With AVX2, FMA and F16C each row
 // of x runs through lowbit_all twice (rounded to int16, then what that rounding left, rounded again): x is then held
 // to about 2^-32 of each block's largest value, finer than float32's own rounding of the products, and each weight
 // row is read once for both. Elsewhere (and for rows over 32,768 values) the codes are converted to floats.
-namespace {
+#include "cpu_kernels.h"
+
+namespace ninfer {
 
 #if defined(__AVX2__) && defined(__FMA__)
 // R rows of x against weight row c (G % 32 == 0): four independent accumulators per row, each code block of 32
@@ -123,9 +125,9 @@ at::Tensor q8_linear(const at::Tensor& x_, const at::Tensor& codes, const at::Te
   return y;
 }
 
-}  // namespace
+}  // namespace ninfer
 
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
   m.def("q8_linear(Tensor x, Tensor codes, Tensor scales, Tensor? mins) -> Tensor");
-  m.impl("q8_linear", c10::DispatchKey::CPU, &q8_linear);
+  m.impl("q8_linear", c10::DispatchKey::CPU, &ninfer::q8_linear);
 }

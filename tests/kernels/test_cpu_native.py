@@ -92,6 +92,28 @@ def test_a_build_is_kept_per_cpu(monkeypatch):
     assert cpu_native.build_dir(here) is None  # torch's extensions folder, the key in the build's name
 
 
+def test_the_build_key_reads_every_source_and_the_header(tmp_path, monkeypatch):
+    """A change to any translation unit or to cpu_kernels.h is another build; every .cpp and .h of kernels/ is built."""
+    import glob
+    import os
+    import shutil
+
+    here = os.path.dirname(cpu_native.__file__)
+    assert sorted(cpu_native.SOURCES) == sorted(glob.glob(os.path.join(here, "*.cpp")))
+    assert sorted(cpu_native.HEADERS) == sorted(glob.glob(os.path.join(here, "*.h")))
+    key = cpu_native.build_key(cpu_native._source())
+    for path in cpu_native.SOURCES + cpu_native.HEADERS:
+        copy = tmp_path / os.path.basename(path)
+        shutil.copyfile(path, copy)
+        with open(copy, "a") as f:
+            f.write("\n// changed\n")
+        swapped = [str(copy) if p == path else p for p in cpu_native.SOURCES + cpu_native.HEADERS]
+        monkeypatch.setattr(cpu_native, "SOURCES", [p for p in swapped if p.endswith(".cpp")])
+        monkeypatch.setattr(cpu_native, "HEADERS", [p for p in swapped if p.endswith(".h")])
+        assert cpu_native.build_key(cpu_native._source()) != key, path
+        monkeypatch.undo()
+
+
 # ---------------------------------------------------------------------------------------------------- lowbit_linear
 def lowbit(fmt: str, out: int, k: int, group: int, scale_dtype=torch.float16) -> QuantizedWeight:
     """A weight of each format the kernel reads, scales in `scale_dtype` (float16 as GGUF files store them)."""
