@@ -369,18 +369,23 @@ class Controller(LibraryMixin, BackendMixin, QObject):
             return
         QGuiApplication.clipboard().setText(url)
 
+    def stop_views(self) -> None:
+        """Stops every timer of the controller and of its windows (polls, status, the monitor, repaints) and hides
+        the tray icon: nothing of this controller runs on the event loop afterwards."""
+        for owner in (self, self.window, self.library, self.launcher):
+            if owner is not None:
+                for timer in owner.findChildren(QTimer):
+                    timer.stop()
+        self.tray.hide()
+
     async def quit(self) -> None:
         """Stops the API server and the engine cleanly, then leaves."""
         if self.quitting:
             return
         self.quitting = True
-        self._poll_timer.stop()
-        self._status_timer.stop()
-        self._mode_timer.stop()
-        self.tray.hide()
+        self.stop_views()
         if self.window is not None:
             self.window.chat.stop()
-            self.window.monitor.timer.stop()
             self.window.close()
         self.launcher.close()
         if self.library is not None:

@@ -27,13 +27,28 @@ from engine.model.weights import LoadedWeights, Progress, Ticker, check_complete
 log = logging.getLogger("ninfer.model")
 
 
+class _Reader(GGUFReader):
+    """gguf's reader, slicing its file as a plain array over the same memory map: a slice of np.memmap runs
+    memmap's Python __array_finalize__, and the reader slices once per string of the vocabulary and the merges
+    (~100K for a 49K vocabulary: 6 s of a 6.5 s open, now well under one)."""
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        plain = self.__dict__.get("_plain")
+        if plain is None or plain.base is not self.data:
+            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+        count = int(count)
+        end = offset + np.dtype(dtype).itemsize * count
+        arr = plain[offset:end].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
 def open_gguf(path: Path) -> GGUFReader:
     try:
         size = os.path.getsize(path)
     except OSError as e:
         raise ModelLoadError(f"Cannot read model file {path}: {e.strerror}.", "Check the path and its permissions.")
     try:
-        reader = GGUFReader(path)
+        reader = _Reader(path)
     except Exception as e:  # the gguf package raises ValueError, struct/numpy errors on damaged files
         raise ModelLoadError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e}).",
                              "The file is truncated or damaged; download it again.") from None

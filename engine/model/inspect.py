@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,8 @@ class ModelInfo:
 
 
 _CACHE: dict[tuple, ModelInfo] = {}
+_READING: dict[tuple, threading.Lock] = {}  # one reader per file at a time: the others wait for its answer
+_LOCK = threading.Lock()
 
 
 def inspect(path: str | Path | None) -> ModelInfo:
@@ -41,8 +44,11 @@ def inspect(path: str | Path | None) -> ModelInfo:
     p = resolve_model_path(str(path) if path else None)
     stat = p.stat()
     key = (str(p), stat.st_mtime_ns, stat.st_size)
-    if key not in _CACHE:
-        _CACHE[key] = _folder_info(p) if p.is_dir() else _gguf_info(p)
+    with _LOCK:
+        reading = _READING.setdefault(key, threading.Lock())
+    with reading:  # a GGUF's header takes seconds to parse (its vocabulary): checks made at once read it once
+        if key not in _CACHE:
+            _CACHE[key] = _folder_info(p) if p.is_dir() else _gguf_info(p)
     return _CACHE[key]
 
 

@@ -101,8 +101,35 @@ def make_controller(app_home, name: str, **kw):
     kw.setdefault("confirm_quit", Recorder(False))
     kw.setdefault("quit_app", Recorder())
     kw.setdefault("env", {})
-    return Controller(config=AppConfig(app_home / f"{name}.json"), store=ConversationStore(app_home / f"{name}.db"),
-                      **kw)
+    controller = Controller(config=AppConfig(app_home / f"{name}.json"),
+                            store=ConversationStore(app_home / f"{name}.db"), **kw)
+    _made.append(controller)
+    return controller
+
+
+_made: list = []  # controllers made by make_controller; those a test made are put away when it ends
+
+
+@pytest.fixture(autouse=True)
+def _put_away_controllers():
+    """After each test, the controllers it made stop their timers and their windows are deleted: left running,
+    every later test's event loop would serve their polls, repaints and monitor ticks too (tens of seconds in a
+    full run). A package fixture's controller (``started``) is made before this snapshot and kept."""
+    before = len(_made)
+    yield
+    from PySide6.QtCore import QCoreApplication, QEvent
+
+    done, _made[before:] = _made[before:], []
+    for controller in done:
+        if controller.quitting and controller.window is None:
+            continue
+        controller.stop_views()
+        for window in (controller.window, controller.library, controller.launcher):
+            if window is not None:
+                window.hide()
+                window.deleteLater()
+    if done:
+        QCoreApplication.sendPostedEvents(None, QEvent.Type.DeferredDelete)
 
 
 @pytest.fixture(scope="package")
