@@ -49,7 +49,7 @@ class LocalPanel(QWidget):
         self.status.setObjectName("Muted")
         self.status.setWordWrap(True)
         self.add_button = QPushButton("Add folder…")
-        self.add_button.clicked.connect(self.add_folder)
+        self.add_button.clicked.connect(lambda: self.add_folder())  # clicked's `checked` is no folder
         self.refresh_button = QPushButton("Refresh")
         self.refresh_button.clicked.connect(self.refresh)
         self.remove_button = QPushButton("Remove…")

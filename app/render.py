@@ -250,7 +250,8 @@ def stats_text(stats: dict[str, Any]) -> str:
     """"42 tokens · TTFT 0.31 s · 12.5 tok/s" (whatever is known)."""
     parts = []
     if stats.get("tokens") is not None:
-        parts.append(f"{stats['tokens']} tokens")
+        n = stats["tokens"]
+        parts.append(f"{n:,} token{'' if n == 1 else 's'}")
     if stats.get("ttft") is not None:
         parts.append(f"TTFT {stats['ttft']:.2f} s")
     if stats.get("tok_s"):

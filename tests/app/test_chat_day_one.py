@@ -204,12 +204,30 @@ def test_a_search_without_matches_says_so_and_disables_rename_and_delete(chat_wi
     answer(window.chat)
     conversations.refresh(window.chat.conversation.id)
     assert conversations.rename_button.isEnabled() and conversations.delete_button.isEnabled()
+    assert _error_red_pixels(conversations.delete_button) > 0  # an enabled Delete is drawn in the error colour
     conversations.search.setText("zebra-quantum")
     assert conversations.list.count() == 0
     assert conversations.empty.isVisibleTo(window) and "No conversation matches" in conversations.empty.text()
     assert not conversations.rename_button.isEnabled() and not conversations.delete_button.isEnabled()
+    assert _error_red_pixels(conversations.delete_button) == 0, "a disabled Delete still looks like one to press"
     conversations.search.clear()
     assert not conversations.empty.isVisibleTo(window)
+
+
+def _error_red_pixels(button) -> int:
+    """Pixels of the button as drawn that are close to the theme's error colour."""
+    from PySide6.QtGui import QColor
+
+    from app import theme
+
+    red = QColor(theme.colors()["error"])
+    image = button.grab().toImage()
+    near = 0
+    for y in range(image.height()):
+        for x in range(image.width()):
+            c = image.pixelColor(x, y)
+            near += abs(c.red() - red.red()) + abs(c.green() - red.green()) + abs(c.blue() - red.blue()) < 60
+    return near
 
 
 def test_rename_dialog_and_delete_prompt_show_whole_words(chat_window):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QFileDialog
 from PySide6.QtTest import QTest
 
 from app.library_rows import hub_reference, last_used_text, params_text, progress_text, size_text
@@ -55,7 +56,8 @@ def test_the_launchers_check_of_an_hf_reference_never_downloads(published, hub):
 
 
 @pytest.mark.slow
-def test_search_fit_download_load_chat_switch_remove(qapp, qloop, app_home, published, hub, hf_home, tmp_path):  # noqa: F811
+def test_search_fit_download_load_chat_switch_remove(qapp, qloop, app_home, published, hub, hf_home, tmp_path,  # noqa: F811
+                                                     monkeypatch):
     controller = make_controller(app_home, "library")
     launcher = controller.launcher
     for name, value in (("port", free_port()), ("max_context", 1024), ("max_concurrency", 1)):
@@ -115,7 +117,8 @@ def test_search_fit_download_load_chat_switch_remove(qapp, qloop, app_home, publ
     local = library.local
     library.tabs.setCurrentWidget(local)
     scans = local.scans
-    local.add_folder(str(folder))
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(folder))
+    click(local.add_button)  # the button a user clicks, through its folder dialog
     wait_until(lambda: local.scans > scans, 30_000)
     names = [m.name for m in local.models]
     assert set(names) == {f"{REPO}/{name}", "my-copy.gguf"}, names

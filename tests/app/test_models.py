@@ -225,6 +225,7 @@ def test_markdown_rendering_escapes_and_highlights():
     assert "#include" in render.highlight("#include <x>", "c", t) and "italic" not in render.highlight("#include", "c", t)
     assert render.stats_text({"tokens": 5, "ttft": 0.25, "tok_s": 12.0, "finish": "stopped"}) == \
         "5 tokens · TTFT 0.25 s · 12.0 tok/s · stopped"
+    assert render.stats_text({"tokens": 1}) == "1 token" and render.stats_text({"tokens": 1234}) == "1,234 tokens"
 
 
 def test_endpoint_and_metrics_parsing():
