@@ -181,7 +181,7 @@ def parse_prometheus(text: str) -> dict[str, list[tuple[dict[str, str], float]]]
 class MetricsReading:
     available: bool
     note: str = ""  # why nothing is available, or which server flavour was read
-    values: dict[str, float | None] = field(default_factory=dict)  # the keys of app.monitor_model.local_values
+    values: dict[str, float | None] = field(default_factory=dict)  # the keys of app.monitor.model.local_values
     time: float = field(default_factory=time.time)
 
 

@@ -18,15 +18,15 @@ from PySide6.QtWidgets import QApplication, QMessageBox, QSystemTrayIcon
 from engine.errors import NInferError
 from engine.service import CANCELLED, READY, LocalService
 
-from app import logs
+from app.server import logs
 from app.appconfig import AppConfig, with_server
 from app.asyncutil import spawn
 from app.backend import BackendMixin
-from app.library_control import LibraryMixin
+from app.library.control import LibraryMixin
 from app.client import ApiClient, Endpoint
-from app.launcher import LauncherWindow
+from app.launcher.window import LauncherWindow
 from app.qtcompat import guard_refcount_leaks
-from app.store import ConversationStore
+from app.chat.store import ConversationStore
 from app.tray import Tray
 
 log = logging.getLogger("ninfer.app")

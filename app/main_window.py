@@ -8,14 +8,16 @@ from pathlib import Path
 from PySide6.QtGui import QAction, QActionGroup, QKeySequence
 from PySide6.QtWidgets import QFileDialog, QLabel, QMainWindow, QMessageBox, QSplitter, QTabWidget, QWidget
 
-from app import chat_io, theme
+from app.chat import files as chat_io
+
+from app import theme
 from app.asyncutil import spawn
-from app.chat import ChatPanel
-from app.conversations import ConversationList
-from app.eval_reports import EvalReportsPanel, configuration_flags
-from app.logs import LogsPanel
-from app.monitor import MonitorPanel
-from app.server_panel import ServerPanel
+from app.chat.view import ChatPanel
+from app.chat.conversations import ConversationList
+from app.evals.reports import EvalReportsPanel, configuration_flags
+from app.server.logs import LogsPanel
+from app.monitor.panel import MonitorPanel
+from app.server.panel import ServerPanel
 from app.widgets import remember_size, restore_size
 
 

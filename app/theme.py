@@ -6,7 +6,8 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QGuiApplication, QIcon, QPalette, QPixmap, QPainter
 from PySide6.QtWidgets import QApplication
 
-from app import paths, render
+from app import paths
+
 
 LIGHT = {"window": "#f6f7fb", "surface": "#ffffff", "input": "#ffffff", "border": "#d9dce3", "text": "#1f2328",
          "muted": "#656d76", "accent": "#4f46e5", "accent_hover": "#4338ca", "accent_soft": "#e0e7ff",
@@ -40,10 +41,6 @@ def is_dark() -> bool:
 
 def colors() -> dict[str, str]:
     return _current
-
-
-def transcript_theme() -> dict[str, str]:
-    return render.DARK if _current is DARK else render.LIGHT
 
 
 def app_icon() -> QIcon:

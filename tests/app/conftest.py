@@ -48,7 +48,7 @@ def qloop(qapp, app_home):
     loop = qasync.QEventLoop(qapp, already_running=True)
     asyncio.set_event_loop(loop)
     yield loop
-    from app import logs
+    from app.server import logs
     logs.uninstall()
     asyncio.events._set_running_loop(None)
     loop._QEventLoop__is_running = False  # (qasync keeps it private) so the loop can be closed
@@ -95,7 +95,7 @@ class Recorder:
 def make_controller(app_home, name: str, **kw):
     from app.appconfig import AppConfig
     from app.controller import Controller
-    from app.store import ConversationStore
+    from app.chat.store import ConversationStore
 
     kw.setdefault("has_tray", True)
     kw.setdefault("confirm_quit", Recorder(False))

@@ -231,7 +231,7 @@ def _error_red_pixels(button) -> int:
 
 
 def test_rename_dialog_and_delete_prompt_show_whole_words(chat_window):
-    from app.conversations import short_title
+    from app.chat.conversations import short_title
     controller, window, client = chat_window
     conversations = window.conversations
     dialog = conversations.rename_dialog("A title")

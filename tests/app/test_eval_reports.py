@@ -1,4 +1,4 @@
-"""The evaluation reports panel (app/eval_reports.py): lists the reports ninfer-eval wrote, newest first; shows the
+"""The evaluation reports panel (app/evals/reports.py): lists the reports ninfer-eval wrote, newest first; shows the
 chosen one's table and heatmap; selects the launcher's configuration's last report; and Run starts ninfer-eval as a
 process (here the code check against a stand-in OpenAI-compatible server) and shows its new report."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from app.eval_reports import EvalReportsPanel, list_reports
+from app.evals.reports import EvalReportsPanel, list_reports
 from engine.tools.eval import cli
 
 
@@ -140,7 +140,7 @@ def test_a_failed_run_says_so(qtbot, tmp_path):
 def test_a_configuration_is_named_by_the_flags_that_give_it():
     """configuration_flags: the model and engine settings that differ from the defaults, as ninfer-serve flags that
     load back to the same values; server and sampling settings are left out (they do not change a check)."""
-    from app.eval_reports import configuration_flags
+    from app.evals.reports import configuration_flags
     from engine.config.loading import load_settings
 
     given = ["--model", "m.gguf", "--kv-dtype", "k8v4", "--kv-window", "4096", "--kv-retrieve", "4096",

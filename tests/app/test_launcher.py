@@ -255,7 +255,7 @@ def test_a_start_that_fails_comes_back_to_the_launcher(qapp, qloop, app_home):
     """start_local returns at once; a port taken between the check and the start is shown with its remedy."""
     import socket as _socket
 
-    from app.settings_model import defaults, settings_or_raise
+    from app.launcher.settings import defaults, settings_or_raise
     controller = make_controller(app_home, "taken")
     w = controller.launcher
     try:

@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QFileDialog
 from PySide6.QtTest import QTest
 
-from app.library_rows import hub_reference, last_used_text, params_text, progress_text, size_text
+from app.library.rows import hub_reference, last_used_text, params_text, progress_text, size_text
 from engine.library.download import DownloadProgress
 from tests.app.conftest import clipped, free_port, make_controller, run, wait_until
 from tests.library.conftest import Repo, hf_home, hub  # noqa: F401 (fixtures: the stand-in hub, a fresh HF_HOME)
@@ -48,7 +48,7 @@ def published(hub, hf_home, tmp_path, monkeypatch):  # noqa: F811
 
 
 def test_the_launchers_check_of_an_hf_reference_never_downloads(published, hub):  # noqa: F811
-    from app.validation import model_check
+    from app.launcher.validation import model_check
 
     info, problem = model_check(f"hf:{REPO}:Q4_1")
     assert info is None and "has not been downloaded yet" in problem.message
@@ -214,7 +214,7 @@ def test_a_burst_of_progress_reports_is_drawn_once_per_tick(qtbot):
     redraw timer draws it once; a tick without a new report draws nothing."""
     from types import SimpleNamespace
 
-    from app.library_find import FindPanel
+    from app.library.find import FindPanel
     from engine.library.download import DownloadProgress
 
     panel = FindPanel(controller=None)

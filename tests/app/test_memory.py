@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from app.estimate import MIB, estimate, model_info
-from app.settings_model import defaults, effective
-from app.validation import validate
+from app.launcher.estimate import MIB, estimate, model_info
+from app.launcher.settings import defaults, effective
+from app.launcher.validation import validate
 
 
 class _CPU:
@@ -111,7 +111,7 @@ def test_a_plan_that_does_not_fit_is_an_error_naming_the_line():
 
 
 def test_memory_bar_widget_draws_the_ledger(qapp):
-    from app.memory_bar import MemoryBar
+    from app.launcher.memory_bar import MemoryBar
 
     info = model_info(None)
     settings = dataclasses.replace(_settings(kv_dtype="k8v4"), host_kv_mib=512)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from app.estimate import estimate, model_info
+from app.launcher.estimate import estimate, model_info
 from tests.app.test_memory import _CPU, _GPU, _settings
 from tests.engine.test_ledger_hybrid import QWEN35_27B_TEXT
 
@@ -22,7 +22,7 @@ def qwen27(tmp_path):
 
 
 def test_the_state_line_is_a_segment_of_its_own(qwen27, qapp):
-    from app.memory_bar import MemoryBar
+    from app.launcher.memory_bar import MemoryBar
     from engine.ledger import build_ledger
     from engine.memory.geometry import state_slots
 

@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from app import render
+from app.chat import render
 from app.appconfig import AppConfig, launch_config
 from app.client import Endpoint, parse_prometheus, read_metrics
-from app.settings_model import (baseline, changed_values, defaults, effective, find_preset, preset_text, presets,
+from app.launcher.settings import (baseline, changed_values, defaults, effective, find_preset, preset_text, presets,
                                 save_user_preset)
-from app.store import ConversationStore, Message
-from app.validation import split_problem, validate
+from app.chat.store import ConversationStore, Message
+from app.launcher.validation import split_problem, validate
 
 
 # ---------------------------------------------------------------- store
@@ -83,7 +83,7 @@ def test_form_merges_like_ninfer_serve_and_env_wins():
 
 def unavailable_flags(preset) -> list[str]:
     """The flags of a preset's values this build of the engine cannot run yet (the list shrinks as features land)."""
-    from app.settings_model import BY_NAME, read_preset
+    from app.launcher.settings import BY_NAME, read_preset
     return [BY_NAME[k].flag for k, v in read_preset(preset).items() if not BY_NAME[k].available(v)]
 
 
@@ -147,7 +147,7 @@ class _Report:
 
 
 def test_validation_errors_and_memory_estimate():
-    from app.estimate import model_info
+    from app.launcher.estimate import model_info
     info = model_info(None)
     form = defaults()
     form.update(max_context=1024, max_concurrency=2, kv_capacity="auto")
@@ -203,7 +203,7 @@ def test_device_cuda_without_gpu_is_an_error():
         pytest.skip("this machine has a usable GPU")
     form = defaults()
     form["device"] = "cuda"
-    from app.estimate import model_info
+    from app.launcher.estimate import model_info
     v = validate(form, None, None, report, env={}, info=model_info(None), check_port=False)
     assert any(c.area == "hardware" and c.level == "error" and c.remedy for c in v.checks)
 
@@ -297,6 +297,7 @@ def test_light_and_dark_follow_the_system(qapp):
     from PySide6.QtGui import QPalette
 
     from app import theme
+    from app.chat.view import transcript_palette
     hints = qapp.styleHints()
     seen = []
     slot = theme.follow_system(qapp, on_change=lambda: seen.append(theme.colors()["window"]))
@@ -304,7 +305,7 @@ def test_light_and_dark_follow_the_system(qapp):
         hints.colorSchemeChanged.emit(Qt.ColorScheme.Dark)  # what the system sends when it switches
         assert theme.colors() is theme.DARK and seen[-1] == theme.DARK["window"]
         assert qapp.palette().color(QPalette.ColorRole.Window).name() == theme.DARK["window"]
-        assert theme.transcript_theme() is render.DARK
+        assert transcript_palette() is render.DARK
         hints.colorSchemeChanged.emit(Qt.ColorScheme.Light)
         assert theme.colors() is theme.LIGHT and seen[-1] == theme.LIGHT["window"]
     finally:
@@ -326,7 +327,7 @@ def test_long_code_lines_wrap_instead_of_widening_the_transcript(qapp):
 
 
 def test_a_defect_in_the_settings_code_is_a_problem_not_a_crash(monkeypatch):
-    import app.settings_model as sm
+    import app.launcher.settings as sm
 
     def broken(*_args, **_kw):
         raise NameError("name '_helper' is not defined")

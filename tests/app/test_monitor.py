@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.client import read_metrics
-from app.monitor_model import Rates, cards, local_values
+from app.monitor.model import Rates, cards, local_values
 
 BASE = {"decode_tokens": 100, "decode_seconds": 2.0, "decode_tokens_per_second": 50.0, "pages_used": 3,
         "pages_free": 29, "running": 1, "waiting": 0, "http_requests_total": 7, "prefix_hit_ratio": 0.25,
@@ -92,7 +92,7 @@ class _Controller:
 
 
 def test_monitor_panel_shows_a_stats_dict(qapp):
-    from app.monitor import MonitorPanel
+    from app.monitor.panel import MonitorPanel
 
     controller = _Controller({**BASE, "status": "ready", "url": "http://127.0.0.1:1/v1", "device": "cpu",
                               "kv_host_pages_used": 0, "kv_host_pages_free": 0})

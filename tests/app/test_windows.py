@@ -40,8 +40,8 @@ def test_the_main_window_fits_800x600(serving):
 
 
 def test_the_monitor_without_a_gpu_shows_ram_and_cpu(serving):
-    from app.monitor import MonitorPanel
-    from app.monitor_model import VramReader
+    from app.monitor.panel import MonitorPanel
+    from app.monitor.model import VramReader
 
     controller, window = serving
     no_gpu = VramReader.__new__(VramReader)  # what VramReader leaves on a machine without the NVIDIA driver

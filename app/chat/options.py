@@ -1,6 +1,6 @@
 """The chat's per-conversation settings: system prompt, temperature, top-p, top-k and max tokens. A value left at its
 lowest entry follows the server's mode, and says what that is ("mode: 0.7"), so each field reads against the
-defaults in force. The values are stored with the conversation (app/store.py)."""
+defaults in force. The values are stored with the conversation (app/chat/store.py)."""
 from __future__ import annotations
 
 from typing import Any

@@ -11,8 +11,8 @@ from engine.library.hub import LibraryError
 
 from app import theme
 from app.asyncutil import spawn
-from app.library_find import FindPanel
-from app.library_local import LocalPanel
+from app.library.find import FindPanel
+from app.library.local import LocalPanel
 from app.widgets import remember_size, restore_size
 
 

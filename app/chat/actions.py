@@ -6,7 +6,7 @@ from __future__ import annotations
 from PySide6.QtCore import QUrl
 from PySide6.QtGui import QDesktopServices, QGuiApplication
 
-from app import render, versions
+from app.chat import render, versions
 
 
 class TranscriptActions:

@@ -12,7 +12,7 @@ from PySide6.QtGui import QBrush, QColor, QPainter, QPainterPath, QPen
 from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from app import theme
-from app.estimate import MIB, Bar, MemoryEstimate
+from app.launcher.estimate import MIB, Bar, MemoryEstimate
 
 SEGMENT_COLORS = {"others": "disabled_bg", "weights": "series1", "draft": "series4", "kv": "series2",
                   "host_kv": "series5", "state": "info", "other": "series6", "headroom": "series3"}

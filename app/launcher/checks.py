@@ -1,6 +1,6 @@
 """The launcher's validation panel: the memory ledger's bars and every check (errors first), each problem with its
-remedy in the form's words (app/wording.py) and, where one value fixes it, a link that applies that value. It only
-shows a ``Validation``; the checks themselves are computed Qt-free in app/validation.py."""
+remedy in the form's words (app/launcher/wording.py) and, where one value fixes it, a link that applies that value. It only
+shows a ``Validation``; the checks themselves are computed Qt-free in app/launcher/validation.py."""
 from __future__ import annotations
 
 import html
@@ -9,9 +9,9 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtWidgets import QFrame, QLabel, QScrollArea, QVBoxLayout
 
 from app import theme
-from app.memory_bar import MemoryBar
-from app.validation import Check, Validation
-from app.wording import Fix, plain
+from app.launcher.memory_bar import MemoryBar
+from app.launcher.validation import Check, Validation
+from app.launcher.wording import Fix, plain
 
 ICONS = {"ok": "✔", "info": "ℹ", "warning": "⚠", "error": "✖"}
 AREA_TITLES = {"hardware": "Hardware", "model": "Model", "memory": "Memory", "settings": "Settings",

@@ -16,7 +16,7 @@ from engine.library.local import LocalModel
 
 from app import theme
 from app.asyncutil import spawn
-from app.library_rows import context_text, last_used_text, params_text, size_text
+from app.library.rows import context_text, last_used_text, params_text, size_text
 
 COLUMNS = ("Model", "From", "Architecture", "Parameters", "Quant", "Context", "Size", "Last used")
 FOLDERS_KEY = "library_folders"

@@ -7,8 +7,8 @@ from typing import Any
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QInputDialog, QMessageBox
 
-from app.settings_model import Preset, baseline, changed_values, find_preset, presets, save_user_preset
-from app.wording import Fix, label as field_label
+from app.launcher.settings import Preset, baseline, changed_values, find_preset, presets, save_user_preset
+from app.launcher.wording import Fix, label as field_label
 
 
 class PresetsMixin:

@@ -9,9 +9,9 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from app.estimate import MemoryEstimate, ModelInfo, estimate, model_info
-from app.settings_model import Effective, Preset, effective, shown
-from app.wording import label as field_label, model_name
+from app.launcher.estimate import MemoryEstimate, ModelInfo, estimate, model_info
+from app.launcher.settings import Effective, Preset, effective, shown
+from app.launcher.wording import label as field_label, model_name
 
 LEVELS = ("ok", "info", "warning", "error")
 

@@ -20,15 +20,15 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QFormLayout, QHB
 
 from app import theme
 from app.asyncutil import spawn
-from app.checks_panel import ChecksPanel
-from app.estimate import ModelInfo
-from app.launcher_presets import PresetsMixin
-from app.remote_dialog import RemoteDialog
-from app.settings_form import SettingsForm
-from app.settings_model import Preset, baseline, changed_values, find_preset
-from app.validation import Check, Validation, model_check, validate
+from app.launcher.checks import ChecksPanel
+from app.launcher.estimate import ModelInfo
+from app.launcher.presets import PresetsMixin
+from app.server.remote_dialog import RemoteDialog
+from app.launcher.form import SettingsForm
+from app.launcher.settings import Preset, baseline, changed_values, find_preset
+from app.launcher.validation import Check, Validation, model_check, validate
 from app.widgets import guard_wheel, remember_size, restore_size
-from app.wording import EMBEDDED_NAME
+from app.launcher.wording import EMBEDDED_NAME
 
 EMBEDDED_LABEL = f"Embedded: {EMBEDDED_NAME} (Q4_1, runs anywhere)"
 WARMUP_AT = 0.999  # loading progress from which the weights are in and the engine warms up

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.store import Message
+from app.chat.store import Message
 
 KEYS = ("versions", "version")
 

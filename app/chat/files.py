@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.store import Conversation, Message
+from app.chat.store import Conversation, Message
 
 FORMAT = "ninfer-conversation"
 VERSION = 1

@@ -6,7 +6,7 @@ would cover them at small sizes), and the KV plot's zero sits above the axis so 
 For the embedded engine it reads ``LocalService.stats()`` (a dict, no HTTP); for a remote server it reads that
 server's ``/metrics`` (NInfer, vLLM or llama.cpp names) and says so when it offers nothing usable. VRAM comes from
 NVML; without an NVIDIA driver the card says "no NVIDIA GPU" once, and shows RAM. The numbers and texts are computed
-Qt-free in app/monitor_model.py.
+Qt-free in app/monitor/model.py.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from PySide6.QtWidgets import QFrame, QGridLayout, QHBoxLayout, QLabel, QScrollA
 
 from app import theme
 from app.asyncutil import spawn
-from app.monitor_model import HostReader, Rates, VramReader, cards, local_values
+from app.monitor.model import HostReader, Rates, VramReader, cards, local_values
 
 HISTORY = 120  # samples (seconds)
 INTERVAL_MS = 1000

@@ -1,12 +1,12 @@
 """The chat transcript as HTML for a QTextBrowser: one table per message (Qt's rich text has no CSS boxes), markdown
-and code highlighting from app/render.py, actions as ninfer: links; plus the one-line summary of the sampling values
+and code highlighting from app/chat/render.py, actions as ninfer: links; plus the one-line summary of the sampling values
 in force. Qt-free."""
 from __future__ import annotations
 
 import html
 
-from app import render, versions
-from app.store import Message
+from app.chat import render, versions
+from app.chat.store import Message
 
 
 def sampling_text(sampling: dict | None) -> str:

@@ -22,7 +22,7 @@ from engine.library.split import base_name
 
 from app import theme
 from app.asyncutil import spawn
-from app.library_rows import MARK_COLOURS, hub_reference, params_text, progress_text, size_text
+from app.library.rows import MARK_COLOURS, hub_reference, params_text, progress_text, size_text
 
 REDRAW_MS = 200
 COLUMNS = ("File", "Quant", "Size", "Fit on this computer")

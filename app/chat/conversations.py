@@ -1,6 +1,6 @@
 """The conversation list: search (titles and message text, saying when nothing matches), newest first, new, rename,
 delete (Rename and Delete only while a conversation is selected). The conversations themselves live in SQLite
-(app/store.py)."""
+(app/chat/store.py)."""
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
@@ -18,7 +18,7 @@ def short_title(title: str, limit: int = PROMPT_TITLE_CHARS) -> str:
     cut = title[:limit + 1].rsplit(" ", 1)[0] if " " in title[:limit + 1] else title[:limit]
     return cut.rstrip(" ,.;:-") + "…"
 
-from app.store import ConversationStore
+from app.chat.store import ConversationStore
 
 
 class ConversationList(QWidget):

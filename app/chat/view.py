@@ -1,12 +1,12 @@
-"""The chat: a transcript streamed over the HTTP API, like any client (the conversation list is app/conversations.py,
-the transcript's HTML app/transcript.py, the per-conversation settings app/chat_options.py, the context bar and
-attachments app/chat_context.py).
+"""The chat: a transcript streamed over the HTTP API, like any client (the conversation list is app/chat/conversations.py,
+the transcript's HTML app/chat/transcript.py, the per-conversation settings app/chat/options.py, the context bar and
+attachments app/chat/context_bar.py).
 
 Streaming runs as an asyncio task on the qasync loop (httpx), never on the GUI thread's time: tokens only mark the
 transcript dirty, and a timer repaints it a few times a second. Stop cancels the task, which closes the connection,
 which aborts the request in the engine. Each answer records its tokens, time to first token and tokens per second.
-Regenerate keeps the earlier answers as versions to flip through (app/versions.py). When the conversation outgrows
-the model's context, the oldest turns are left out of the prompt and the answer says so (app/context.py).
+Regenerate keeps the earlier answers as versions to flip through (app/chat/versions.py). When the conversation outgrows
+the model's context, the oldest turns are left out of the prompt and the answer says so (app/chat/context.py).
 """
 from __future__ import annotations
 
@@ -20,19 +20,26 @@ from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTextBrowser,
                                QToolButton, QVBoxLayout, QWidget)
 
-from app import context, theme, versions
+from app.chat import context, render, versions
+
+from app import theme
 from app.asyncutil import spawn
-from app.chat_context import ContextBar
-from app.chat_actions import TranscriptActions
-from app.chat_options import ChatOptions
+from app.chat.context_bar import ContextBar
+from app.chat.actions import TranscriptActions
+from app.chat.options import ChatOptions
 from app.client import ApiError
-from app.store import Conversation, ConversationStore, Message
-from app.transcript import sampling_text, transcript_html
+from app.chat.store import Conversation, ConversationStore, Message
+from app.chat.transcript import sampling_text, transcript_html
 
 REPAINT_MS = 200  # at most five repaints a second while tokens stream
 COPIED_MS = 1500  # how long "Copied ✓" stands in place of a Copy link
 NEW_TITLE = "New chat"
 
+
+
+def transcript_palette() -> dict[str, str]:
+    """The transcript's colours for the app's current theme."""
+    return render.DARK if theme.is_dark() else render.LIGHT
 
 class _Input(QPlainTextEdit):
     """Enter sends, Shift+Enter adds a line."""
@@ -397,4 +404,4 @@ class ChatPanel(TranscriptActions, QWidget):
                 self.view.verticalScrollBar().maximum()))
 
     def transcript_html(self) -> str:
-        return transcript_html(self.messages, self.streaming, self.expanded, theme.transcript_theme(), self.copied)
+        return transcript_html(self.messages, self.streaming, self.expanded, transcript_palette(), self.copied)

@@ -7,7 +7,7 @@ from pathlib import Path
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
 
-from app import context
+from app.chat import context
 
 MAX_ATTACHMENT_BYTES = 2_000_000
 

@@ -2,7 +2,7 @@
 
 Each setting's ``type``, ``choices``, ``minimum`` and ``maximum`` pick its widget; its ``help`` is the tooltip.
 Numbers that also take ``auto`` or may be unset show that as the spin box's lowest entry. Fields are labelled in
-words (app/wording.py), not flags; the wheel edits a field only while it has the focus. A value this version does
+words (app/launcher/wording.py), not flags; the wheel edits a field only while it has the focus. A value this version does
 not support is marked in the choices; settings whose only supported value is the default are shown read-only (with
 what would provide them), unless a preset set them, so the problem can be reset away. Each row has a reset button.
 """
@@ -16,9 +16,9 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout
 
 from engine.config.table import Setting, show_value
 
-from app.settings_model import FORM_SETTINGS, MAIN_SETTINGS, defaults
+from app.launcher.settings import FORM_SETTINGS, MAIN_SETTINGS, defaults
 from app.widgets import guard_wheel
-from app.wording import label as field_label
+from app.launcher.wording import label as field_label
 
 INT_MAX = 2**31 - 1
 GROUP_TITLES = {"server": "Server", "model": "Model", "memory": "Memory", "speculative": "Speculative decoding",

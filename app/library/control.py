@@ -21,7 +21,7 @@ class LibraryMixin:
     # ---- the model library ------------------------------------------------------------------------------------------
     def show_library(self) -> None:
         if self.library is None:
-            from app.library_window import LibraryWindow
+            from app.library.window import LibraryWindow
             self.library = LibraryWindow(self)
         self.library.show()
         self.library.raise_()

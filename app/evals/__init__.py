@@ -1,0 +1,1 @@
+"""The evaluation reports panel (ninfer-eval's reports)."""

@@ -1,0 +1,1 @@
+"""The server panel: address, LAN and API key, the remote server dialog, and the logs view."""
