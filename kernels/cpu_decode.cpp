@@ -1,4 +1,4 @@
-// decode_step: a llama-family decoder stack for decode rows (one token each) in one call (kernels/cpu_decode.py).
+// decode_step: a llama-family decoder stack for decode rows (one token each) in one call (engine/model/cpu_fused.py).
 //
 // It calls lowbit_into, check_lowbit, dense_into, rms_row and hsum (cpu_kernels.h). Each linear is dense float32 or low-bit (`Linear`, cpu_hybrid.cpp's too). Per layer:
 // RMSNorm, the fused qkv GEMV (+ bias), Qwen3's per-head q/k norms, RoPE (half-split), the K/V write to each row's

@@ -483,7 +483,7 @@ def format_ledger(ledger: Ledger) -> str:
         out.append(f"Host KV: {ledger.host_pages:,} pages; one --max-context sequence needs "
                    f"{ledger.host_pages_needed:,} "
                    f"({_mib(ledger.host_kv_needed_bytes)}); RAM would allow up to {_mib(ledger.host_kv_max_bytes)}")
-    out.append("* an estimate (see engine/ledger.py)")
+    out.append("* an estimate (see engine/ledger/)")
     out += [f"Note: {note}" for note in ledger.notes]
     out.append("")
     for p in ledger.check():

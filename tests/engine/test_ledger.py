@@ -1,4 +1,4 @@
-"""The memory ledger (engine/ledger.py): KV bytes by hand, the seeds' VRAM ledgers reproduced, refusals that name the
+"""The memory ledger (engine/ledger/): KV bytes by hand, the seeds' VRAM ledgers reproduced, refusals that name the
 overflowing line, shapes read from files without loading them, and ``ninfer-doctor --ledger``.
 
 The seed numbers come from ../shared/docs/SEEDS.md (and the raw reports in ../shared/seeds/); each test says which one

@@ -10,7 +10,7 @@ This is the definition the Triton paged-attention kernels must match (see docs/K
 | k4v4     | uint8 [D/2] + fp16 scale per group             | uint8 [D/2] + fp16 scale per group          |
 | rk4v4    | as k4, of K times the Hadamard rotation H      | as v4 (V is never rotated)                  |
 
-Byte layout: the one engine/ledger.py states (its KV_LAYOUTS); a test keeps the byte counts equal.
+Byte layout: the one engine/memory/geometry.py states (its KV_LAYOUTS); a test keeps the byte counts equal.
 
 Quantizing (symmetric, no zero point, round to nearest even) a group of values x (int8: the whole head, group = D;
 int4: groups of `INT4_GROUP` = 32 consecutive channels along D): scale = absmax(x) / 127 for int8, q in -127..127;
