@@ -28,6 +28,8 @@ def read_text_file(path: str) -> str:
         return data.decode("latin-1")
 
 
+CANNOT_ATTACH = "⚠ Cannot attach: "
+
 class ContextBar(QWidget):
     """``chat`` gives controller (context_window()), max_tokens, chars_per_token."""
 
@@ -82,10 +84,12 @@ class ContextBar(QWidget):
         try:
             text = read_text_file(path)
         except (OSError, ValueError) as e:
-            self.chat.notice.setText(f"⚠ Cannot attach: {e}")
+            self.chat.notice.setText(f"{CANNOT_ATTACH}{e}")
             self.chat.notice.setVisible(True)
             return str(e)
         self.attachments.append((Path(path).name, text))
+        if self.chat.notice.text().startswith(CANNOT_ATTACH):  # an earlier refusal is no longer the news
+            self.chat.notice.setVisible(False)
         self._show_files()
         return None
 

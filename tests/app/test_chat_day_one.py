@@ -164,6 +164,14 @@ def test_an_attached_file_goes_into_the_prompt_or_says_it_does_not_fit(chat_wind
     binary = tmp_path / "image.png"
     binary.write_bytes(b"\x89PNG\0\0\0binary")
     assert "not a text file" in chat.context_bar.attach(str(binary))
+    chat.context_bar.clear_attachments()
+    for path in (binary, notes):  # through the button, as a user attaches: a refusal, then a good file
+        chat.context_bar.ask_file = lambda p=path: str(p)
+        QTest.mouseClick(chat.context_bar.attach_button, Qt.MouseButton.LeftButton)
+        if path is binary:
+            assert chat.notice.isVisibleTo(window) and "not a text file" in chat.notice.text()
+    assert "notes.txt" in chat.context_bar.files.text()
+    assert not chat.notice.isVisibleTo(window), "the refusal of the earlier file still shows"
 
 
 def test_export_and_import_a_conversation(chat_window, tmp_path):
