@@ -158,6 +158,14 @@ def code_blocks(text: str) -> list[str]:
     return blocks
 
 
+def _list_goes_on(lines: list[str], i: int, kind: str) -> bool:
+    """Whether the first line after the blank line(s) from i is another item of a list of this kind."""
+    j = i + 1
+    while j < len(lines) and not lines[j].strip():
+        j += 1
+    return j < len(lines) and bool((_BULLET if kind == "ul" else _NUMBERED).match(lines[j]))
+
+
 def markdown(text: str, theme: dict[str, str], code_link: str | None = None, copied: int | None = None) -> str:
     """Markdown-ish ``text`` -> HTML for QTextBrowser. With ``code_link`` each code block links
     ``{code_link}/{block number}`` to copy it; block ``copied`` says it was just copied."""
@@ -198,7 +206,8 @@ def markdown(text: str, theme: dict[str, str], code_link: str | None = None, cop
             continue
         if not line.strip():
             flush_para()
-            close_list()
+            if not (list_kind and _list_goes_on(lines, i, list_kind)):  # a blank line between items: one list
+                close_list()
         elif m := _HEADING.match(line):
             flush_para()
             close_list()

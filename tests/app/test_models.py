@@ -228,6 +228,22 @@ def test_markdown_rendering_escapes_and_highlights():
     assert render.stats_text({"tokens": 1}) == "1 token" and render.stats_text({"tokens": 1234}) == "1,234 tokens"
 
 
+def test_a_numbered_list_with_blank_lines_between_items_counts_on(qapp):
+    """As a QTextBrowser shows it: one list numbered 1, 2, 3, not three lists of one item each (1. 1. 1.)."""
+    from PySide6.QtWidgets import QTextBrowser
+
+    view = QTextBrowser()
+    view.setHtml(render.markdown("Steps:\n\n1. Boil water.\n\n2. Add tea.\n\n3. Wait.\n\nDone.", render.LIGHT))
+    numbers, block = [], view.document().begin()
+    while block.isValid():
+        if block.textList() is not None:  # three lists of one item would number each 1
+            numbers.append(block.textList().itemNumber(block) + 1)
+        block = block.next()
+    assert numbers == [1, 2, 3]
+    assert render.markdown("- a\n\n- b", render.LIGHT).count("<ul") == 1
+    assert render.markdown("- a\n\n1. b", render.LIGHT).count("<ul") == 1  # another kind: another list
+
+
 def test_endpoint_and_metrics_parsing():
     e = Endpoint.parse("localhost:8080/v1/", "k")
     assert e.base_url == "http://localhost:8080" and e.api_url == "http://localhost:8080/v1"
