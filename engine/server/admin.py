@@ -8,6 +8,7 @@ same validation as at startup (``settings_from_mapping``), and the effective def
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from fastapi import APIRouter, Request
@@ -115,6 +116,11 @@ def updated_settings(state: ServerState, changes: object):
     return dataclasses.replace(state.settings, **values, sources=sources)
 
 
+def _read_settings_body(raw: bytes):
+    check_size(raw)
+    return loads(raw)
+
+
 def router(state: ServerState) -> APIRouter:
     r = APIRouter()
 
@@ -131,9 +137,8 @@ def router(state: ServerState) -> APIRouter:
         "schema": _PUT_SCHEMA}}}})
     async def put_settings(request: Request):
         raw = await request.body() or b"null"
-        check_size(raw)  # the bounds and number rules of the API routes' bodies
-        try:
-            changes = loads(raw)
+        try:  # the bounds and number rules of the API routes' bodies, off the event loop as theirs are
+            changes = await asyncio.to_thread(_read_settings_body, raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise APIError(400, f"The request body is not valid JSON: {e}.", code="invalid_request") from None
         state.apply_settings(updated_settings(state, changes))
