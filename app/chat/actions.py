@@ -10,13 +10,14 @@ from app.chat import render, versions
 
 
 class TranscriptActions:
-    """Expects ChatPanel's messages, busy, store, input, edit_bar, expanded, copied, _copied_timer, render() and
-    regenerate()."""
+    """Expects ChatPanel's messages, busy, store, input, edit_bar, expanded, copied, _copied_timer, render(),
+    update_context() and regenerate()."""
 
     def show_version(self, index: int, k: int) -> None:
         if not self.busy and 0 <= index < len(self.messages) and versions.show(self.messages[index], k):
             self.store.update(self.messages[index])
             self.render()
+            self.update_context()  # the version shown is what the next message builds on
 
     def show_branch(self, index: int, k: int) -> None:
         """Shows branch ``k`` from the edited message ``index`` on (what followed each version of it)."""
@@ -29,6 +30,7 @@ class TranscriptActions:
         self.store.truncate(conv.id, index)
         self.messages = self.messages[:index] + [self.store.append(conv.id, m) for m in messages]
         self.render()
+        self.update_context()
         self._update_buttons()
 
     def edit(self, index: int) -> None:

@@ -96,6 +96,24 @@ def test_regenerate_keeps_the_earlier_answers_as_versions(chat_window):
     assert client.requests[-1]["messages"][1]["content"] == "Third."
 
 
+def test_the_context_bar_follows_a_version_flip(chat_window):
+    controller, window, client = chat_window
+    chat = window.chat
+    controller.context_window = lambda: 8000
+    client.words = ["word " * 600]
+    chat.send("Say a lot.")
+    answer(chat)
+    client.words = ["Short."]
+    assert chat.regenerate()
+    answer(chat)
+    short = chat.context_bar.label.text()
+    last = len(chat.messages) - 1
+    chat._link(QUrl(f"ninfer:version/{last}/0"))  # the "previous version" link of the transcript
+    assert chat.messages[last].content.startswith("word") and chat.context_bar.label.text() != short, short
+    chat._link(QUrl(f"ninfer:version/{last}/1"))
+    assert chat.context_bar.label.text() == short
+
+
 def test_sampling_settings_belong_to_each_conversation(chat_window):
     controller, window, client = chat_window
     chat = window.chat
