@@ -42,12 +42,22 @@ class Rates:
         return (pages - p0) / (now - t0) if now > t0 else 0.0
 
 
+def api_requests(s: dict) -> int | None:
+    """Requests answered on the API routes (/v1/...): not /health, /metrics or the settings, which the app itself
+    polls every second."""
+    by_route = s.get("http_requests")
+    if not isinstance(by_route, dict):
+        return None
+    return sum(n for route, statuses in by_route.items() if str(route).startswith("/v1/")
+               for n in statuses.values())
+
+
 def local_values(s: dict, rates: Rates, now: float) -> dict:
     """The monitor's numbers from ``LocalService.stats()`` (the metrics snapshot plus Engine.stats())."""
     ttft = (s.get("ttft_seconds") or {}).get("p50")
     values = {"decode_tps": rates.decode_rate(s), "decode_tps_avg": s.get("decode_tokens_per_second"),
               "pages_used": s.get("pages_used"), "pages_free": s.get("pages_free"), "running": s.get("running"),
-              "waiting": s.get("waiting"), "ttft_p50": ttft, "requests": s.get("http_requests_total"),
+              "waiting": s.get("waiting"), "ttft_p50": ttft, "requests": api_requests(s),
               "prefix_hit_ratio": s.get("prefix_hit_ratio"), "prefix_cached_pages": s.get("prefix_cached_pages"),
               "host_pages_used": None, "host_pages_free": None, "retrieved_pages": None, "retrieved_pps": None,
               "select_outside": None}
@@ -129,7 +139,7 @@ def cards(v: dict, available: bool = True, vram_note: str = "", vram_name: str =
 
     out["requests"] = Card(_num(v.get("running"), "{:.0f} running"),
                            _num(v.get("waiting"), "{:.0f} waiting")
-                           + (f" · {v['requests']} HTTP requests" if v.get("requests") is not None else ""))
+                           + (f" · {v['requests']:,} API requests" if v.get("requests") is not None else ""))
     if v.get("vram_total"):
         out["vram"] = Card(f"{v['vram_used']:,.0f} MiB", f"of {v['vram_total']:,.0f} MiB · {vram_name}")
     elif _is_num(v.get("ram_used")):

@@ -8,8 +8,11 @@ from app.client import read_metrics
 from app.monitor.model import Rates, cards, local_values
 
 BASE = {"decode_tokens": 100, "decode_seconds": 2.0, "decode_tokens_per_second": 50.0, "pages_used": 3,
-        "pages_free": 29, "running": 1, "waiting": 0, "http_requests_total": 7, "prefix_hit_ratio": 0.25,
-        "prefix_cached_pages": 4, "ttft_seconds": {"p50": 0.12}}
+        "pages_free": 29, "running": 1, "waiting": 0, "prefix_hit_ratio": 0.25,
+        "prefix_cached_pages": 4, "ttft_seconds": {"p50": 0.12}, "http_requests_total": 67,
+        # the app's own once-a-second polls (/health, the settings) are not requests anyone sent the API
+        "http_requests": {"/v1/chat/completions": {"200": 5, "400": 1}, "/v1/models": {"200": 1},
+                          "/health": {"200": 40}, "/ninfer/v1/settings": {"200": 20}}}
 SPEC = {"spec_drafted": 200, "spec_accepted": 150, "spec_acceptance": 0.75, "spec_mean_accepted": 2.5}
 TIER = {"kv_host_pages_used": 5, "kv_host_pages_free": 59, "kv_host_pages_total": 64}
 
@@ -25,7 +28,7 @@ def test_without_spec_or_host_tier_keys(tier):
     assert c["kv"].value == "3 / 32" and c["kv"].detail == "pages used / total"
     assert "host" not in c["kv"].detail and "retrieved" not in c["kv"].detail
     assert c["prefix"].value == "25%" and "4 pages cached" in c["prefix"].detail
-    assert c["requests"].value == "1 running" and "7 HTTP requests" in c["requests"].detail
+    assert c["requests"].value == "1 running" and "7 API requests" in c["requests"].detail
     assert "average 50.0 tok/s" in c["decode"].detail and "TTFT p50 0.12 s" in c["decode"].detail
 
 
