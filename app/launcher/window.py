@@ -46,6 +46,7 @@ class LauncherWindow(PresetsMixin, QWidget):
         self.env = os.environ if env is None else env
         self.report: Any = None  # engine.hardware.HardwareReport, once probed
         self.model_infos: dict[str | None, tuple[ModelInfo | None, Check | None]] = {}
+        self._refused: set[str] = set()  # models whose check failed: out of the drop-down once another is picked
         self.validation: Validation | None = None
         self.loading = False
         self.load_error: str | None = None
@@ -116,7 +117,7 @@ class LauncherWindow(PresetsMixin, QWidget):
                                     "(config.json + *.safetensors). Paths in any language work.")
         self.model_combo.currentIndexChanged.connect(self._model_changed)
         model_row.addWidget(self.model_combo, 1)
-        gguf = QPushButton("GGUF file…")
+        gguf = self.gguf_button = QPushButton("GGUF file…")
         gguf.clicked.connect(self.browse_file)
         folder = QPushButton("HF folder…")
         folder.clicked.connect(self.browse_folder)
@@ -261,9 +262,19 @@ class LauncherWindow(PresetsMixin, QWidget):
     # ---- reacting --------------------------------------------------------------------------------------------------
     def _model_changed(self, *_args) -> None:
         model = self.model
+        self._drop_refused(keep=model)
         if model not in self.model_infos:
             spawn(self._read_model(model), "read-model")
         self.schedule()
+
+    def _drop_refused(self, keep: str | None) -> None:
+        for path in [p for p in self._refused if p != keep]:
+            i = self.model_combo.findData(path)
+            if i >= 0:
+                self.model_combo.blockSignals(True)
+                self.model_combo.removeItem(i)
+                self.model_combo.blockSignals(False)
+            self._refused.discard(path)
 
     def schedule(self) -> None:
         self._timer.start()
@@ -277,6 +288,7 @@ class LauncherWindow(PresetsMixin, QWidget):
         info, problem = self.model_infos[model] = await asyncio.to_thread(model_check, model)
         if problem is not None and model and model in self.config.recent_models and Path(model).exists():
             self.config.forget_model(model)  # a broken file does not come back in the list at the next start
+            self._refused.add(model)  # nor in the drop-down, once another model is picked
             self.model_infos[model] = (None, Check(problem.level, problem.area, problem.message,
                                                    problem.remedy + " It was taken off the recent models."))
         self.schedule()

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QWheelEvent
-from PySide6.QtWidgets import QApplication
+from PySide6.QtTest import QTest
+from PySide6.QtWidgets import QApplication, QFileDialog
 
 from tests.app.conftest import Recorder, clipped, make_controller, wait_until
 
@@ -105,11 +106,12 @@ def test_fields_and_problems_speak_the_forms_words(launcher):
     w.form.set_values({})
 
 
-def test_a_broken_gguf_is_named_and_leaves_the_recent_list(launcher, tmp_path):
+def test_a_broken_gguf_is_named_and_leaves_the_recent_list(launcher, tmp_path, monkeypatch):
     w = launcher
     broken = tmp_path / "half-downloaded.gguf"
     broken.write_bytes(b"<html>not a model</html>")
-    w.pick_model(str(broken))
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a, **k: (str(broken), ""))
+    QTest.mouseClick(w.gguf_button, Qt.MouseButton.LeftButton)  # "GGUF file…", as a user picks it
     assert str(broken) in w.config.recent_models
     wait_until(lambda: str(broken) in w.model_infos, TIMEOUT)
     w.revalidate()
@@ -117,7 +119,9 @@ def test_a_broken_gguf_is_named_and_leaves_the_recent_list(launcher, tmp_path):
     assert "half-downloaded.gguf is not a readable GGUF file" in text and "Download it again" in text
     assert "Pick a .gguf file" not in text
     assert str(broken) not in w.config.recent_models  # the next start does not offer it again
-    w.select_model(None)
+    assert w.model_combo.findData(str(broken)) >= 0  # still shown while its error is
+    w.model_combo.setCurrentIndex(0)  # the user picks the embedded model in the drop-down
+    assert w.model_combo.findData(str(broken)) == -1 and w.model is None
 
 
 def test_after_the_weights_it_says_what_is_happening(launcher):
