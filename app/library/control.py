@@ -28,13 +28,16 @@ class LibraryMixin:
         self.library.activateWindow()
 
     def load_model(self, model: str) -> str | None:
-        """Serves ``model`` (a path or an hf: reference in the cache): a running engine switches to it without a
+        """Serves ``model`` (a path or an hf: reference in the cache; "" for the embedded default): a running engine switches to it without a
         restart, on the same API port; otherwise the launcher starts it with its settings once the checks pass.
         Returns why it cannot now, or None."""
         s = self.service
         if self.starting or (s is not None and s.status != READY):
             return "The engine is loading a model: wait until it is ready, then load another."
-        self.launcher.pick_model(model)
+        if model:
+            self.launcher.pick_model(model)
+        else:  # the embedded default
+            self.launcher.select_model(None)
         if s is not None and s.serving:
             spawn(self._switch(s, model), "switch-model")
             return None

@@ -81,7 +81,7 @@ class LocalPanel(QWidget):
 
         self.status.setText("Looking for models…")
         folders = [Path(f) for f in self.folders()]
-        models = await asyncio.to_thread(lambda: [(m, m.last_used) for m in scan(folders)])
+        models = await asyncio.to_thread(lambda: [(m, m.last_used) for m in scan(folders, embedded=True)])
         models.sort(key=lambda mw: -(mw[1] or 0))  # the most recently used first
         self.models = [m for m, _ in models]
         self.table.setRowCount(len(models))

