@@ -355,6 +355,8 @@ class Controller(LibraryMixin, BackendMixin, QObject):
         await self.stop_local()
         if self.window is not None:
             self.window.hide()
+        if self.launch_cfg is not None:  # what runs now, with the Server tab's address and key, not the form at start
+            self.launcher.apply_config(self.launch_cfg)
         self.launcher.show()
         self.launcher.raise_()
         self.launcher.schedule()

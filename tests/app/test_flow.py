@@ -13,6 +13,7 @@ from fastapi import Request  # module level: the fake server's route annotations
 from PySide6.QtCore import Qt, QUrl
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtTest import QTest
+from PySide6.QtWidgets import QMenu
 
 from app.chat.store import ConversationStore
 from tests.app.conftest import free_port, run, wait_until
@@ -382,6 +383,36 @@ def test_stop_and_start_the_server_from_the_tray(started):
     wait_until(lambda: controller.service is not None and controller.service.status == "ready"
                and controller.mode is not None, timeout=240_000)
     assert httpx.get(url.replace("/v1", "/health"), timeout=10).status_code == 200
+
+
+def test_change_model_keeps_the_lan_address_and_key_set_in_the_server_panel(started):
+    controller, window = started
+    panel = window.server
+    panel.refresh()
+    panel.key.setText("sk-lan-789")
+    panel.lan.setChecked(True)
+    panel.apply()
+    wait_until(lambda: controller.service.host == "0.0.0.0" and panel.apply_note.text() == "Applied.", 20_000)
+    port = controller.service.port
+    change = next(a for m in window.menuBar().findChildren(QMenu) for a in m.actions()
+                  if a.text().startswith("Change model or settings"))
+    change.trigger()  # File > Change model or settings...
+    launcher = controller.launcher
+    wait_until(lambda: controller.service is None and launcher.isVisible(), 30_000)
+    values = launcher.form.values()
+    assert (values.get("host"), values.get("port"), values.get("api_key")) == ("0.0.0.0", port, "sk-lan-789"), values
+    wait_until(launcher.start_button.isEnabled, 60_000)
+    QTest.mouseClick(launcher.start_button, Qt.MouseButton.LeftButton)
+    wait_until(lambda: controller.service is not None and controller.service.status == "ready"
+               and controller.mode is not None, 240_000)
+    s = controller.service
+    assert (s.host, s.port, s.api_key) == ("0.0.0.0", port, "sk-lan-789")
+    assert controller.config.last["values"]["host"] == "0.0.0.0"  # and app.json keeps them
+    panel.refresh()
+    panel.lan.setChecked(False)
+    panel.key.setText("")
+    panel.apply()
+    wait_until(lambda: s.host == "127.0.0.1" and s.api_key is None and panel.apply_note.text() == "Applied.", 20_000)
 
 
 def test_quit_stops_everything(started):
