@@ -13,6 +13,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHea
 
 from engine.library.hub import LibraryError
 from engine.library.local import LocalModel
+from engine.service import READY
 
 from app import theme
 from app.asyncutil import spawn
@@ -28,6 +29,9 @@ class LocalPanel(QWidget):
         self.controller = controller
         self.models: list[LocalModel] = []
         self.scans = 0  # finished scans (tests wait on it)
+        self.loading: LocalModel | None = None  # the model Load asked for, until it serves (or failed)
+        self.after_scan = ""  # what the status line says after the next scan's count
+        controller.state_changed.connect(self._follow_load)
         # asks before deleting a download from disk; replaced in tests
         self.confirm_remove = self._confirm_remove
         outer = QVBoxLayout(self)
@@ -97,8 +101,10 @@ class LocalPanel(QWidget):
                                                  f"architecture.")
                 self.table.setItem(i, c, item)
         self.scans += 1
-        self.status.setText(f"{len(models)} model{'s' if len(models) != 1 else ''} on this computer" if models else
-                            "No GGUF models found yet: download one in the Find tab, or add a folder.")
+        count = (f"{len(models)} model{'s' if len(models) != 1 else ''} on this computer." if models else
+                 "No GGUF models found yet: download one in the Find tab, or add a folder.")
+        self.status.setText(f"{self.after_scan} {count}" if self.after_scan else count)
+        self.after_scan = ""
         self._picked()
 
     def selected(self) -> LocalModel | None:
@@ -121,6 +127,26 @@ class LocalPanel(QWidget):
             return
         error = self.controller.load_model(m.model_arg)
         self.status.setText(error or f"Loading {m.name}…")
+        self.loading = None if error else m
+
+    def _follow_load(self) -> None:
+        """The status line follows the load Load started (its percentage, then that it serves, or why not), and the
+        list is read again once it serves (its "Last used")."""
+        m, c = self.loading, self.controller
+        if m is None:
+            return
+        s = c.service
+        if c.switching or c.starting or (s is not None and s.status == "loading"):
+            progress = f" {s.progress:.0%}" if s is not None and s.status == "loading" else ""
+            self.status.setText(f"Loading {m.name}…{progress}")
+            return
+        self.loading = None
+        if s is not None and s.status == READY:
+            error = getattr(s, "switch_error", None)
+            self.after_scan = f"Could not load {m.name}: {error}" if error else f"{m.name} is loaded and serving."
+            self.refresh()
+        elif s is not None:
+            self.status.setText(f"Loading {m.name} failed: {s.load_error or s.status}")
 
     def _confirm_remove(self, m: LocalModel) -> bool:
         answer = QMessageBox.question(self, "Remove the model?", f"Delete {m.name} ({size_text(m.size)}) from disk?")

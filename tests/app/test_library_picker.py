@@ -130,8 +130,15 @@ def test_search_fit_download_load_chat_switch_remove(qapp, qloop, app_home, publ
     local.select("my-copy.gguf")
     assert local.table.item(local.table.currentRow(), 7).text() == "never"
     click(local.load_button)
-    wait_until(lambda: controller.switching or service.status != "ready", 10_000)
-    wait_until(lambda: not controller.switching and controller.model_id == "my-copy", LOAD_TIMEOUT)
+    seen = {local.status.text()}
+    wait_until(lambda: seen.add(local.status.text()) or controller.switching or service.status != "ready", 10_000)
+    wait_until(lambda: seen.add(local.status.text()) or (not controller.switching and controller.model_id == "my-copy"),
+               LOAD_TIMEOUT)
+    assert any(t.startswith("Loading my-copy.gguf…") for t in seen), seen
+    # the status line says it serves, and the list read again shows it used just now (no Refresh clicked)
+    wait_until(lambda: local.status.text().startswith("my-copy.gguf is loaded and serving."), 20_000)
+    row = [m.name for m in local.models].index("my-copy.gguf")
+    assert local.table.item(row, 7).text() == "just now"
     assert controller.service is service and service.port == port and service.serving
     assert service.model_ids == ["my-copy"] and "my-copy" in window.status_label.text()
     assert "Paris" in chat_answer(window, QUESTION)
