@@ -57,8 +57,21 @@ def fit(messages: list[dict], context: int | None, max_tokens: int | None,
     return Fit(kept, start - system, total, total <= budget)
 
 
-def calibrate(chars_sent: int, prompt_tokens: int | None, previous: float) -> float:
-    """The characters-per-token ratio after the server counted ``prompt_tokens`` for ``chars_sent`` characters."""
-    if not prompt_tokens or prompt_tokens < 16 or chars_sent <= 0:
+CALIBRATE_MIN_TOKENS = 64  # a count that grew less says more about the template than about the text
+
+
+def calibrate(chars_sent: int, prompt_tokens: int | None, previous: float,
+              last: tuple[int, int] | None = None) -> float:
+    """The characters-per-token ratio after the server counted ``prompt_tokens`` for ``chars_sent`` characters of
+    content. The count includes the chat template and any system prompt the server adds, so the ratio is read
+    from what changed since the ``last`` (characters, tokens) of the conversation, or from one count large enough
+    for those to be a small part; a short exchange ("Hi") leaves the ratio as it was."""
+    if not prompt_tokens or chars_sent <= 0:
         return previous
-    return max(1.0, min(8.0, chars_sent / prompt_tokens))
+    if last is not None and chars_sent > last[0] and prompt_tokens - last[1] >= CALIBRATE_MIN_TOKENS:
+        chars, tokens = chars_sent - last[0], prompt_tokens - last[1]
+    elif prompt_tokens >= 8 * CALIBRATE_MIN_TOKENS:
+        chars, tokens = chars_sent, prompt_tokens
+    else:
+        return previous
+    return max(1.0, min(8.0, chars / tokens))

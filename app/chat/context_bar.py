@@ -119,9 +119,10 @@ class ContextBar(QWidget):
             return None
         room = window - context.answer_reserve(window, self.chat.max_tokens)
         what = "This message with its attachments" if self.attachments else "This message"
-        return (f"⚠ {what} is about {fit.tokens:,} tokens, but the model's context holds {window:,} tokens with "
-                f"{window - room:,} kept for the answer. Shorten it or attach less, or start the model with a longer "
-                f"context (Change model or settings… › Context length).")
+        return (f"⚠ {what} is about {fit.tokens:,} tokens (estimated), but the model's context holds {window:,} "
+                f"tokens with {window - room:,} kept for the answer: the server may refuse it. If it does, shorten it "
+                f"or attach less, or start the model with a longer context (Change model or settings… › Context "
+                f"length).")
 
     # ---- the bar -------------------------------------------------------------------------------------------------
     def show_usage(self, messages: list[dict]) -> None:

@@ -74,6 +74,7 @@ class ChatPanel(TranscriptActions, QWidget):
         self.render_count = 0
         self.copied: tuple[int, int | None] | None = None  # (message, code block or None) just copied
         self.chars_per_token = context.DEFAULT_CHARS_PER_TOKEN  # calibrated by each answer's usage
+        self.last_count: tuple[int, int] | None = None  # (content characters, prompt tokens) of the last request
         self._build()
         self._copied_timer = QTimer(self, singleShot=True, interval=COPIED_MS)
         self._copied_timer.timeout.connect(self._copied_done)
@@ -225,12 +226,9 @@ class ChatPanel(TranscriptActions, QWidget):
         if not text or self.busy or self.controller.client is None:
             return False
         text = self.context_bar.with_attachments(text)
-        problem = self.context_bar.too_long(text)
-        if problem:
-            self.notice.setText(problem)
-            self.notice.setVisible(True)
-            return False
-        self.notice.setVisible(False)
+        problem = self.context_bar.too_long(text)  # an estimate: said, never a refusal (the server counts exactly,
+        self.notice.setText(problem or "")        # and its refusal shows as the answer's error)
+        self.notice.setVisible(bool(problem))
         self.context_bar.clear_attachments()
         conv = self._ensure_conversation()
         user = Message("user", text)
@@ -345,8 +343,9 @@ class ChatPanel(TranscriptActions, QWidget):
             prompt_tokens = (usage or {}).get("prompt_tokens")
             if prompt_tokens:
                 msg.stats["prompt_tokens"] = prompt_tokens
-                self.chars_per_token = context.calibrate(sum(len(m.get("content") or "") for m in messages),
-                                                         prompt_tokens, self.chars_per_token)
+                chars = sum(len(m.get("content") or "") for m in messages)
+                self.chars_per_token = context.calibrate(chars, prompt_tokens, self.chars_per_token, self.last_count)
+                self.last_count = (chars, prompt_tokens)
             msg.stats.update(tokens=tokens, finish=finish or msg.stats.get("finish"),
                              ttft=(first - t0) if first is not None else None,
                              tok_s=((tokens - 1) / (end - first)) if first is not None and tokens and tokens > 1

@@ -66,11 +66,12 @@ class FakeClient:
     """An ApiClient whose settings are a dict the test changes, and whose chat streams ``words`` slowly."""
 
     def __init__(self, settings: dict | None = None, words=("Hello", " there", "."), delay: float = 0.05,
-                 chars_per_token: float = 4.0):
+                 chars_per_token: float = 4.0, template_tokens: int = 0):
         self.data = settings
         self.words = list(words)
         self.delay = delay
         self.chars_per_token = chars_per_token  # how the stand-in counts prompt tokens
+        self.template_tokens = template_tokens  # what a chat template (and a server's system prompt) adds
         self.requests: list[dict] = []
         self.endpoint = SimpleNamespace(base_url="http://fake", api_url="http://fake/v1", api_key=None)
 
@@ -91,5 +92,6 @@ class FakeClient:
             yield ChatEvent("content", word)
         yield ChatEvent("finish", "stop")
         chars = sum(len(m.get("content") or "") for m in messages)
-        yield ChatEvent("usage", data={"prompt_tokens": int(chars / self.chars_per_token) + 4 * len(messages),
+        yield ChatEvent("usage", data={"prompt_tokens": int(chars / self.chars_per_token) + 4 * len(messages)
+                                       + self.template_tokens,
                                        "completion_tokens": len(self.words)})

@@ -176,9 +176,10 @@ def test_an_attached_file_goes_into_the_prompt_or_says_it_does_not_fit(chat_wind
     big.write_text("word " * 5000, encoding="utf-8")
     chat.context_bar.attach(str(big))
     n = len(client.requests)
-    assert not chat.send("Summarise this.")
-    assert len(client.requests) == n and chat.notice.isVisibleTo(window)
-    assert "holds 1,000 tokens" in chat.notice.text() and "attach less" in chat.notice.text()
+    assert chat.send("Summarise this.")  # an estimate warns; the server's own count decides
+    answer(chat)
+    assert len(client.requests) == n + 1 and chat.notice.isVisibleTo(window)
+    assert "holds 1,000 tokens" in chat.notice.text() and "may refuse" in chat.notice.text()
     binary = tmp_path / "image.png"
     binary.write_bytes(b"\x89PNG\0\0\0binary")
     assert "not a text file" in chat.context_bar.attach(str(binary))
@@ -190,6 +191,33 @@ def test_an_attached_file_goes_into_the_prompt_or_says_it_does_not_fit(chat_wind
             assert chat.notice.isVisibleTo(window) and "not a text file" in chat.notice.text()
     assert "notes.txt" in chat.context_bar.files.text()
     assert not chat.notice.isVisibleTo(window), "the refusal of the earlier file still shows"
+
+
+def test_a_short_exchange_does_not_make_the_estimate_refuse_a_long_paste(qapp, qloop, app_home, request):
+    """"Hi", then a 12,188-character text into an 8,192-token context: the server (like this stand-in: 4.4
+    characters a token, 30 tokens of template) counts ~2,800 tokens. One short exchange must not pin the
+    characters-per-token ratio at its floor (it read 12,191 tokens and refused)."""
+    controller = make_controller(app_home, request.node.name)
+    client = FakeClient(dict(CHAT), chars_per_token=4.4, template_tokens=30)
+    controller.client, controller.model_id = client, "fake-model"
+    controller.context_window = lambda: 8192
+    run(controller.refresh_mode())
+    controller.show_main()
+    chat = controller.window.chat
+    chat.send("Hi")
+    answer(chat)
+    text = ("The quick brown fox jumps over the lazy dog while the river runs. " * 190)[:12_188]
+    QGuiApplication.clipboard().setText(text)
+    chat.input.setFocus()
+    QTest.keySequence(chat.input, "Ctrl+V")  # pasted, as a user would
+    assert len(chat.input.toPlainText()) == 12_188
+    QTest.mouseClick(chat.send_button, Qt.MouseButton.LeftButton)
+    answer(chat)
+    assert client.requests[-1]["messages"][-1]["content"].startswith("The quick brown fox")
+    assert not chat.notice.isVisibleTo(controller.window), chat.notice.text()
+    words = chat.context_bar.label.text()
+    estimate = int(words.split("~")[1].split()[0].replace(",", ""))
+    assert 2_000 < estimate < 4_500, words  # near the server's count, not 12,000
 
 
 def test_export_and_import_a_conversation(chat_window, tmp_path):
