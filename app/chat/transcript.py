@@ -1,6 +1,6 @@
 """The chat transcript as HTML for a QTextBrowser: one table per message (Qt's rich text has no CSS boxes), markdown
-and code highlighting from app/chat/render.py, actions as ninfer: links; plus the one-line summary of the sampling values
-in force. Qt-free."""
+and code highlighting from app/chat/render.py, actions as ninfer: links; plus the one-line summary of the sampling
+values in force. Qt-free."""
 from __future__ import annotations
 
 import html

@@ -1,6 +1,6 @@
-"""The chat: a transcript streamed over the HTTP API, like any client (the conversation list is app/chat/conversations.py,
-the transcript's HTML app/chat/transcript.py, the per-conversation settings app/chat/options.py, the context bar and
-attachments app/chat/context_bar.py).
+"""The chat: a transcript streamed over the HTTP API, like any client (the conversation list is
+app/chat/conversations.py, the transcript's HTML app/chat/transcript.py, the per-conversation settings
+app/chat/options.py, the context bar and attachments app/chat/context_bar.py).
 
 Streaming runs as an asyncio task on the qasync loop (httpx), never on the GUI thread's time: tokens only mark the
 transcript dirty, and a timer repaints it a few times a second. Stop cancels the task, which closes the connection,

@@ -25,9 +25,10 @@ LABELS = {
     "device": "Device", "weight_dtype": "Weight format", "max_context": "Context length (tokens)",
     "gdn_state_fp16": "Gated-DeltaNet state in FP16", "cpu_moe": "Experts on the CPU (all MoE layers)",
     "n_cpu_moe": "Experts on the CPU (first N MoE layers)", "fit": "Place MoE experts to fit the GPU", "allow_lossy_format": "Allow a format that fails the self-check", "kv_capacity": "KV cache size (tokens)",
-    "kv_headroom_mib": "GPU memory kept free (MiB)", "kv_dtype": "KV cache format",
+    "kv_headroom_mib": "Memory kept free (MiB)", "kv_dtype": "KV cache format",
     "host_kv_mib": "Host KV memory (MiB)", "max_shared_prefixes": "Shared prefixes kept",
-    "kv_window": "KV window (tokens)", "kv_retrieve": "KV pages retrieved (tokens)", "kv_ring": "Windowed conversations",
+    "kv_window": "KV window (tokens)", "kv_retrieve": "Older context brought back (tokens)",
+    "kv_ring": "Windowed conversations",
     "allow_lossy_window": "Allow a window without retrieval", "host_pageable": "Pageable host memory",
     "kv_reuse_hostbacked": "Reuse prefixes from host memory", "spec": "Speculative decoding",
     "draft_tokens": "Draft tokens per step", "draft_model": "Draft model", "lm_head_draft": "Cut the draft's output layer",
@@ -41,7 +42,7 @@ LABELS = {
 
 
 def label(name: str) -> str:
-    """The form's label of a setting ("kv_headroom_mib" -> "GPU memory kept free (MiB)")."""
+    """The form's label of a setting ("kv_headroom_mib" -> "Memory kept free (MiB)")."""
     if name in LABELS:
         return LABELS[name]
     words = [{"kv": "KV", "mib": "(MiB)", "api": "API", "id": "ID", "gpu": "GPU", "cpu": "CPU"}.get(w, w)
