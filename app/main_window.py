@@ -18,7 +18,7 @@ from app.evals.reports import EvalReportsPanel, configuration_flags
 from app.server.logs import LogsPanel
 from app.monitor.panel import MonitorPanel
 from app.server.panel import ServerPanel
-from app.widgets import remember_size, restore_size
+from app.widgets import last_folder, remember_folder, remember_size, restore_size
 
 
 class MainWindow(QMainWindow):
@@ -112,10 +112,12 @@ class MainWindow(QMainWindow):
             return self._say("Nothing to export yet: send a message first, or pick a conversation.")
         if path is None:
             name = "".join(ch if ch.isalnum() or ch in " -_" else "_" for ch in chat.conversation.title).strip()
-            path, _ = QFileDialog.getSaveFileName(self, "Export conversation", str(Path.home() / f"{name or 'chat'}.md"),
+            start = last_folder(self.controller.config, "conversations") / f"{name or 'chat'}.md"
+            path, _ = QFileDialog.getSaveFileName(self, "Export conversation", str(start),
                                                   "Markdown (*.md);;JSON, to import again (*.json)")
             if not path:
                 return None
+            remember_folder(self.controller.config, "conversations", path)
         conv, messages = chat.conversation, chat.messages
         text = chat_io.to_json(conv, messages) if path.lower().endswith(".json") else chat_io.to_markdown(conv, messages)
         try:
@@ -128,10 +130,12 @@ class MainWindow(QMainWindow):
     def import_conversation(self, path: str | None = None) -> str | None:
         """Adds a conversation from a JSON file (exported here, or OpenAI-style messages) and opens it."""
         if path is None:
-            path, _ = QFileDialog.getOpenFileName(self, "Import conversation", str(Path.home()),
+            path, _ = QFileDialog.getOpenFileName(self, "Import conversation",
+                                                  str(last_folder(self.controller.config, "conversations")),
                                                   "Conversations (*.json);;All files (*)")
             if not path:
                 return None
+            remember_folder(self.controller.config, "conversations", path)
         try:
             title, system, options, messages = chat_io.from_json(Path(path).read_text(encoding="utf-8"))
         except OSError as e:

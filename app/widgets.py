@@ -6,6 +6,8 @@ a long form never edits the field under the pointer (the wheel then scrolls the 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtCore import QEvent, QObject, Qt
 from PySide6.QtWidgets import QAbstractSpinBox, QComboBox, QWidget
 
@@ -53,3 +55,19 @@ def remember_size(window: QWidget, config, key: str) -> None:
     if sizes.get(key) != size:
         sizes[key] = size
         config.set("window_sizes", sizes)
+
+
+def last_folder(config, key: str) -> Path:
+    """Where a file dialog of this kind (``key``: "attach", "conversations") opens: the folder it last used, else the
+    home folder."""
+    folder = (config.get("last_folders") or {}).get(key) if config is not None else None
+    return Path(folder) if isinstance(folder, str) and Path(folder).is_dir() else Path.home()
+
+
+def remember_folder(config, key: str, path: str | Path) -> None:
+    """The folder of ``path``, for the next dialog of this kind."""
+    if config is None or not path:
+        return
+    folders = dict(config.get("last_folders") or {})
+    folders[key] = str(Path(path).parent)
+    config.set("last_folders", folders)

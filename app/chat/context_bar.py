@@ -8,6 +8,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
 
 from app.chat import context
+from app.widgets import last_folder, remember_folder
 
 MAX_ATTACHMENT_BYTES = 2_000_000
 
@@ -39,7 +40,8 @@ class ContextBar(QWidget):
         super().__init__(parent)
         self.chat = chat
         self.attachments: list[tuple[str, str]] = []  # (file name, text)
-        self.ask_file = lambda: QFileDialog.getOpenFileName(self, "Attach a text file", str(Path.home()))[0]
+        self.ask_file = lambda: QFileDialog.getOpenFileName(self, "Attach a text file",
+                                                            str(last_folder(self._config(), "attach")))[0]
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         self.attach_button = QPushButton("Attach file…")
@@ -70,6 +72,9 @@ class ContextBar(QWidget):
         layout.addWidget(self.bar)
         self.used = 0
 
+    def _config(self):
+        return getattr(self.chat.controller, "config", None)
+
     @property
     def window(self) -> int | None:
         getter = getattr(self.chat.controller, "context_window", None)
@@ -88,6 +93,7 @@ class ContextBar(QWidget):
             self.chat.notice.setVisible(True)
             return str(e)
         self.attachments.append((Path(path).name, text))
+        remember_folder(self._config(), "attach", path)
         if self.chat.notice.text().startswith(CANNOT_ATTACH):  # an earlier refusal is no longer the news
             self.chat.notice.setVisible(False)
         self._show_files()

@@ -220,6 +220,41 @@ def test_a_short_exchange_does_not_make_the_estimate_refuse_a_long_paste(qapp, q
     assert 2_000 < estimate < 4_500, words  # near the server's count, not 12,000
 
 
+def test_file_dialogs_open_where_the_last_one_of_their_kind_was(chat_window, tmp_path, monkeypatch):
+    """Attach, export and import start in the folder the previous dialog of that kind used (home the first time)."""
+    from pathlib import Path
+
+    from PySide6.QtWidgets import QFileDialog
+
+    controller, window, client = chat_window
+    chat = window.chat
+    notes_dir, out_dir = tmp_path / "notes", tmp_path / "exports"
+    notes_dir.mkdir()
+    out_dir.mkdir()
+    (notes_dir / "a.txt").write_text("first", encoding="utf-8")
+    opened: list[str] = []
+
+    def pick_open(parent, title, folder, *rest):
+        opened.append(folder)
+        return (str(notes_dir / "a.txt"), "")
+
+    def pick_save(parent, title, start, *rest):
+        opened.append(start)
+        return (str(out_dir / "talk.md"), "")
+
+    monkeypatch.setattr(QFileDialog, "getOpenFileName", pick_open)
+    monkeypatch.setattr(QFileDialog, "getSaveFileName", pick_save)
+    for _ in range(2):
+        QTest.mouseClick(chat.context_bar.attach_button, Qt.MouseButton.LeftButton)
+    assert opened == [str(Path.home()), str(notes_dir)]
+    chat.send("Hello")
+    answer(chat)
+    window.export_action.trigger()  # File > Export conversation...
+    window.export_action.trigger()
+    assert Path(opened[2]).parent == Path.home() and Path(opened[3]).parent == out_dir, opened
+    assert (out_dir / "talk.md").exists()
+
+
 def test_export_and_import_a_conversation(chat_window, tmp_path):
     controller, window, client = chat_window
     chat = window.chat
