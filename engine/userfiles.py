@@ -24,16 +24,16 @@ def read_user_file(path: Path, what: str, max_bytes: int, remedy: str) -> bytes:
     naming `what` for anything else that is not a readable regular file of that size."""
     path = Path(path)
     try:
-        mode = path.stat().st_mode
+        st = path.stat()
     except FileNotFoundError:
         raise
     except OSError as e:
         raise NInferError(f"Cannot read {what} {path}: {e.strerror or e}.", remedy) from None
-    if not stat.S_ISREG(mode):  # a FIFO blocks forever, /dev/zero never ends
+    if not stat.S_ISREG(st.st_mode):  # a FIFO blocks forever, /dev/zero never ends
         raise NInferError(f"{what.capitalize()} {path} is a {special_kind(path)}, not a regular file.", remedy)
     too_big = NInferError(f"{what.capitalize()} {path} is larger than {max_bytes / 2**20:g} MiB, the most read as "
                           f"{what}.", remedy)
-    if path.stat().st_size > max_bytes:
+    if st.st_size > max_bytes:
         raise too_big
     try:
         with open(path, "rb") as f:
