@@ -122,6 +122,7 @@ class LoadedModel:
     storage: str = ""
     mtp_tensors: dict = field(default_factory=dict)
     load_seconds: float = 0.0
+    kv_name: str = "auto"  # the KV dtype's name the ledger plans with: the setting, or what --fit chose
 
 
 # the settings load_model reads: two engines over one LoadedModel must agree on them (the self-check ran with the KV
@@ -130,14 +131,20 @@ MODEL_FIELDS = ("device", "threads", "weight_dtype", "kv_dtype", "prefill_cublas
                 "allow_lossy_format", "cpu_moe", "n_cpu_moe", "fit")
 
 
-def experts_on_host(cfg: ModelConfig, device: torch.device, c: EngineConfig, path: Path) -> int:
+def experts_on_host(cfg: ModelConfig, device: torch.device, c: EngineConfig, path: Path) -> tuple[int, str]:
     """How many MoE layers keep their experts in host memory (--cpu-moe: all; --n-cpu-moe N: the first N, at most
-    all; neither, on a GPU: what --fit plans); 0 where the setting has nothing to move (the model runs on the CPU, or
-    has no MoE layers: said once)."""
+    all; neither, on a GPU: what --fit plans), and the KV dtype to plan with (the setting, or --fit's choice); 0
+    layers where the setting has nothing to move (the model runs on the CPU, or has no MoE layers: said once)."""
     asked = "--cpu-moe" if c.cpu_moe else f"--n-cpu-moe {c.n_cpu_moe}" if c.n_cpu_moe else ""
     name = path.name
     if not asked:
-        return fitted_experts(cfg, device, c, path) if c.fit and cfg.moe is not None and device.type == "cuda" else 0
+        if c.fit and cfg.moe is not None and device.type == "cuda":
+            return fitted_experts(device, c, path)
+        return 0, c.kv_dtype
+    return _asked_experts(cfg, device, c, asked, name), c.kv_dtype
+
+
+def _asked_experts(cfg: ModelConfig, device: torch.device, c: EngineConfig, asked: str, name: str) -> int:
     if cfg.moe is None:
         log.warning("%s has no effect: %s has no mixture-of-experts layers.", asked, name)
         return 0
@@ -151,8 +158,9 @@ def experts_on_host(cfg: ModelConfig, device: torch.device, c: EngineConfig, pat
     return layers if c.cpu_moe else min(c.n_cpu_moe, layers)
 
 
-def fitted_experts(cfg: ModelConfig, device: torch.device, c: EngineConfig, path: Path) -> int:
-    """--fit (engine/ledger/placement.py) on the GPU memory free now; a model that cannot fit is refused."""
+def fitted_experts(device: torch.device, c: EngineConfig, path: Path) -> tuple[int, str]:
+    """--fit (engine/ledger/placement.py) on the GPU memory free now: the MoE layers whose experts go to the host,
+    and the KV dtype; a model that cannot fit is refused."""
     free = torch.cuda.mem_get_info(device)[0] // MIB
     plan = fit_experts(ModelShape.from_path(path), c, vram_mib=free, ram_mib=psutil.virtual_memory().available // MIB)
     if plan.host_layers is None:
@@ -160,7 +168,7 @@ def fitted_experts(cfg: ModelConfig, device: torch.device, c: EngineConfig, path
                           "Use a lower-bit file of the model, a shorter --max-context or a GPU with more memory; or "
                           "run it on the CPU (--device cpu).")
     log.info("--fit: %s", plan.why)
-    return plan.host_layers
+    return plan.host_layers, plan.kv_dtype
 
 
 @in_own_thread
@@ -182,13 +190,13 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
     tokenizer = Tokenizer.from_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
     fmt = weight_format(c.weight_dtype, weights)
     wdtype = pick_dtype("auto" if fmt or c.weight_dtype == "auto" else c.weight_dtype, dev)
-    kdtype = pick_kv_dtype(c.kv_dtype, dev)
+    host_experts, kv_name = experts_on_host(cfg, dev, c, path)
+    kdtype = pick_kv_dtype(kv_name, dev)
     if c.gdn_state_fp16 and "recurrent" not in cfg.layer_kinds:
         raise NInferError(f"--gdn-state-fp16 stores the recurrent state of Gated-DeltaNet layers in fp16, but "
                           f"{path.name} ({cfg.arch}) has no such layers.", "Drop --gdn-state-fp16 for this model.")
     options = {"state_fp16": True} if c.gdn_state_fp16 else {}
     options["cpu_compile"] = c.cpu_compile
-    host_experts = experts_on_host(cfg, dev, c, path)
     if host_experts:
         options["host_experts"] = host_experts
     net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto", **options)
@@ -214,7 +222,7 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
     if freed >= 64 * MIB:
         log.info("memory: %.0f MiB the loading had freed handed back to the OS", freed / MIB)
     return LoadedModel(net, tokenizer, cfg, path, dev, wdtype, kdtype, fmt, c, storage, mtp_tensors,
-                       time.perf_counter() - t0)
+                       time.perf_counter() - t0, kv_name)
 
 
 @in_own_thread
@@ -232,7 +240,7 @@ def assemble_engine(model: LoadedModel, config: EngineConfig | None = None, **se
     if c.max_context > cfg.max_position:
         raise NInferError(f"--max-context {c.max_context} is beyond this model's trained context of "
                           f"{cfg.max_position} tokens.", f"Use --max-context {cfg.max_position} or less (0 = the model's).")
-    ledger = size_kv(cfg, dev, c, net.cache_specs)
+    ledger = size_kv(cfg, dev, c.replace(kv_dtype=model.kv_name), net.cache_specs)
     context, pages, host_pages = ledger.max_context, ledger.gpu_pages, ledger.host_pages
     log.info("KV: %d pages of %s (%s), %d host pages, context %d tokens", pages, ledger.kv_dtype,
              "auto" if ledger.kv_auto else "--kv-capacity", host_pages, context)

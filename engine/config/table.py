@@ -180,7 +180,8 @@ SETTINGS: tuple[Setting, ...] = (
            "compute them on the CPU, the rest on the GPU; 0 keeps them all on the GPU.", minimum=0),
         _s("fit", bool, True, "When a mixture-of-experts model does not fit the GPU and neither cpu_moe nor "
            "n_cpu_moe is set, keep the experts of as few layers as needed in host memory (and the context at 4K "
-           "tokens or more); a model that cannot fit even so is refused before loading."),
+           "tokens or more), with kv_dtype auto holding the KV in k8v8 where that moves fewer experts or gives a "
+           "longer context; a model that cannot fit even so is refused before loading."),
     ),
     *_group(
         "memory",

@@ -137,7 +137,8 @@ class Ledger:
         }
 
 
-def _value(name: str, settings: Any, overrides: Mapping[str, Any]) -> Any:
+def setting_value(name: str, settings: Any, overrides: Mapping[str, Any]) -> Any:
+    """One setting of a ledger: the override, else the settings' value, else the default."""
     if name in overrides and overrides[name] is not None:
         return overrides[name]
     if isinstance(settings, Mapping):
@@ -168,7 +169,7 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     unknown = set(overrides) - set(_KEYS)
     if unknown:
         raise TypeError(f"build_ledger: unknown setting(s) {', '.join(sorted(unknown))}")
-    s = {k: _value(k, settings, overrides) for k in _KEYS}
+    s = {k: setting_value(k, settings, overrides) for k in _KEYS}
     on_gpu = vram_mib > 0
     kv_device = "gpu" if on_gpu else "host"
     kv_dtype = resolve_kv_dtype(str(s["kv_dtype"]), on_gpu)

@@ -105,10 +105,67 @@ def test_fit_picks_the_fewest_host_layers_that_fit(big, vram_gib):
         assert plan.ledger.line("host_experts").bytes == big.expert_bytes("int4", plan.host_layers)
         assert f"{plan.host_layers} of 40 MoE layers" in plan.why
         fewer = build_ledger(big, {"weight_dtype": "int4", "max_concurrency": 1}, vram_mib=vram_gib * 1024,
-                             ram_mib=64 * 1024, n_cpu_moe=plan.host_layers - 1, max_context=FIT_MIN_CONTEXT)
+                             ram_mib=64 * 1024, n_cpu_moe=plan.host_layers - 1, max_context=FIT_MIN_CONTEXT,
+                             kv_dtype=plan.kv_dtype)
         assert not fewer.fits
     else:
         assert "whole model fits" in plan.why
+
+
+@pytest.mark.parametrize("vram_gib,max_context", [(12, 0), (16, 262144), (20, 0)])
+def test_fit_picks_the_8_bit_kv_where_it_moves_fewer_experts_or_holds_more(big, vram_gib, max_context):
+    """--kv-dtype auto: the plan holds its context in k8v8 where that needs fewer experts on the host (a context
+    asked for) or gives a longer context (the context left to the model), and the ledger it returns is that one; a
+    KV dtype the user set is kept."""
+    settings = {"weight_dtype": "int4", "max_concurrency": 1, "max_context": max_context}
+    plan = fit_experts(big, settings, vram_mib=vram_gib * 1024, ram_mib=64 * 1024)
+    kept = fit_experts(big, {**settings, "kv_dtype": "bf16"}, vram_mib=vram_gib * 1024, ram_mib=64 * 1024)
+    assert (plan.kv_dtype, kept.kv_dtype) == ("k8v8", "bf16")
+    assert plan.ledger.kv_dtype == "k8v8" and plan.ledger.fits and plan.ledger.total("gpu") <= vram_gib * GIB
+    assert "the KV in k8v8" in plan.why and "k8v8" not in kept.why
+    if max_context:
+        assert plan.context == kept.context == max_context and plan.host_layers < kept.host_layers
+    else:
+        assert plan.host_layers == kept.host_layers and plan.context > kept.context
+
+
+def test_fit_keeps_the_float_kv_where_both_hold_the_whole_context(big):
+    plan = fit_experts(big, {"weight_dtype": "int4", "max_concurrency": 1}, vram_mib=28 * 1024, ram_mib=64 * 1024)
+    assert (plan.host_layers, plan.context, plan.kv_dtype) == (0, big.max_position, "auto")
+    assert plan.ledger.kv_dtype == "bf16"
+
+
+def test_the_fitted_kv_dtype_sizes_the_engine(moe, monkeypatch):  # noqa: F811
+    """What --fit chose reaches the allocation: load_model returns it (kv_name, the KV cache's dtype) and
+    assemble_engine sizes and builds the pools in it. Without a GPU here, the fit is handed a GPU whose budget holds
+    the model only with 8-bit KV (the ledger on that budget, checked first)."""
+    import engine.build as build
+    from engine.build import assemble_engine, load_model
+    from engine.ledger.placement import Placement
+
+    real = build.fit_experts
+    chosen = []
+
+    def fit_on_the_cpu(shape, settings, *, vram_mib, ram_mib):
+        plan = real(shape, settings, vram_mib=vram_mib, ram_mib=ram_mib)
+        chosen.append(plan)
+        return Placement(0, plan.context, plan.ledger, plan.why, "k8v8")
+
+    monkeypatch.setattr(build, "fit_experts", fit_on_the_cpu)
+    cfg = load_weights(moe[1])[1].config
+    assert build.experts_on_host(cfg, torch.device("cpu"), build.EngineConfig(), moe[1]) == (0, "auto")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * GIB, 8 * GIB))
+    assert build.experts_on_host(cfg, torch.device("cuda"), build.EngineConfig(), moe[1]) == (0, "k8v8")
+    assert chosen and chosen[0].host_layers == 0
+    monkeypatch.setattr(build, "experts_on_host", lambda *a: (0, "k8v8"))
+    model = load_model(moe[1], device="cpu", max_context=256, max_concurrency=1)
+    assert model.kv_name == "k8v8" and model.settings.kv_dtype == "auto"
+    loaded = assemble_engine(model)
+    try:
+        assert loaded.ledger.kv_dtype == "k8v8" and loaded.engine.runner.kv.kv_dtype == model.kv_dtype
+        assert loaded.ledger.page_bytes == ModelShape.from_config(cfg).kv_bytes_per_token("k8v8") * 64
+    finally:
+        loaded.engine.shutdown()
 
 
 def test_fit_refuses_a_model_that_cannot_fit_with_the_numbers(big):
@@ -128,5 +185,5 @@ def test_the_settings_say_what_they_do_on_the_cpu_and_on_a_dense_model(moe, capl
     dense = ModelConfig(arch="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=2,
                         head_dim=4, intermediate_size=8)
     caplog.clear()
-    assert experts_on_host(dense, torch.device("cuda"), EngineConfig(cpu_moe=True), moe[1]) == 0
+    assert experts_on_host(dense, torch.device("cuda"), EngineConfig(cpu_moe=True), moe[1]) == (0, "auto")
     assert "--cpu-moe has no effect" in caplog.text and "no mixture-of-experts layers" in caplog.text
