@@ -4,11 +4,16 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-# Nothing in the tests writes into the user's NInfer folders (settings, data such as the library's last use).
-if not os.environ.get("NINFER_HOME"):
+# Nothing in the tests writes into the user's NInfer folders (settings, data such as the library's last use), and
+# no two test processes share one: each pytest-xdist worker makes its own (the workers inherit the controller's).
+if not os.environ.get("NINFER_HOME") or os.environ.get("NINFER_TESTS_HOME") == os.environ["NINFER_HOME"]:
     import tempfile
 
-    os.environ["NINFER_HOME"] = tempfile.mkdtemp(prefix="ninfer-tests-home-")
+    os.environ["NINFER_HOME"] = os.environ["NINFER_TESTS_HOME"] = tempfile.mkdtemp(prefix="ninfer-tests-home-")
+# Under pytest-xdist the workers share the cores: each computes on its share, as many threads as it has cores (two
+# workers on two cores each running two threads would fight over both).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and not os.environ.get("OMP_NUM_THREADS"):
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 # Compiled CPU kernels (inductor's and the C++ unit, engine/kernel_cache.py) come from the user's kernel cache, shared
 # by this run, the processes it starts and later runs: each build is keyed by what made it, so it is made once per
 # machine and source, not once per run.
@@ -18,6 +23,29 @@ use_kernel_cache()
 
 
 import pytest  # noqa: E402
+
+MAX_WORKERS = 4  # each worker loads the embedded model and the tiny hybrids once: more cost memory, gain little
+
+
+# The longest modules (docs/DEVELOPING.md, the --durations of a run) go first, so that the workers of `-n auto
+# --dist loadfile` end together instead of one running the agent check alone at the end; the rest keep their order.
+# A module missing here only costs balance.
+LONGEST_FIRST = ("tests/api/test_agent_check.py", "tests/engine/test_cpu_step.py", "tests/engine/test_spec.py",
+                 "tests/kernels/test_engine_on_triton.py", "tests/engine/test_kv_quant.py",
+                 "tests/engine/test_eval.py", "tests/kernels/test_cuda_compile.py", "tests/engine/test_prefix.py",
+                 "tests/engine/test_bench.py", "tests/engine/test_train_tiny_hybrid.py",
+                 "tests/kernels/test_static_decode_on_triton.py", "tests/engine/test_bench_modes.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest in order
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where xdist is not loaded
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the default options): one worker per core, at most MAX_WORKERS."""
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
 
 
 @pytest.fixture(scope="session")

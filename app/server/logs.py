@@ -6,9 +6,10 @@ import logging
 import logging.handlers
 from collections import deque
 
-from PySide6.QtCore import QObject, Qt, Signal
+from PySide6.QtCore import QObject, QSize, Qt, Signal
 from PySide6.QtGui import QFontDatabase, QGuiApplication
-from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QSizePolicy, QVBoxLayout,
+                               QWidget)
 
 from app import paths
 
@@ -98,6 +99,28 @@ def uninstall() -> None:
     _handler = None
 
 
+class PathLabel(QLabel):
+    """``prefix`` and a file's path, the path elided in the middle to the width the label gets (the whole path in
+    its tooltip): a long home folder does not widen the window."""
+
+    def __init__(self, prefix: str, path: str):
+        super().__init__()
+        self.prefix, self.path = prefix, path
+        self.setToolTip(path)
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.setText(prefix + path)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 (Qt's name)
+        hint = super().minimumSizeHint()
+        hint.setWidth(self.fontMetrics().horizontalAdvance(self.prefix + "…/ninfer.log"))
+        return hint
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        room = self.contentsRect().width() - self.fontMetrics().horizontalAdvance(self.prefix)
+        self.setText(self.prefix + self.fontMetrics().elidedText(self.path, Qt.TextElideMode.ElideMiddle, room))
+        super().resizeEvent(event)
+
+
 class LogsPanel(QWidget):
     def __init__(self, handler: QtLogHandler, parent=None):
         super().__init__(parent)
@@ -123,10 +146,16 @@ class LogsPanel(QWidget):
         self.view.setFont(QFontDatabase.systemFont(QFontDatabase.SystemFont.FixedFont))
         self.view.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
         layout.addWidget(self.view, 1)
-        path = QLabel(f"Also written to {paths.data_dir() / 'logs' / 'ninfer.log'}")
-        path.setObjectName("Muted")
-        path.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        layout.addWidget(path)
+        file = str(paths.data_dir() / "logs" / "ninfer.log")
+        self.path = PathLabel("Also written to ", file)
+        self.path.setObjectName("Muted")
+        self.copy_path = QPushButton("Copy path")
+        self.copy_path.setToolTip("Copy the log file's path")
+        self.copy_path.clicked.connect(lambda: QGuiApplication.clipboard().setText(file))
+        row = QHBoxLayout()
+        row.addWidget(self.path, 1)
+        row.addWidget(self.copy_path)
+        layout.addLayout(row)
         for line, level in list(handler.recent):
             self.append(line, level)
         handler.emitter.record.connect(self.append)

@@ -109,12 +109,14 @@ def environment(device: torch.device) -> dict:
 KERNEL_TESTS = ("tests/kernels/test_quant.py", "tests/kernels/test_qlinear.py", "tests/kernels/test_elementwise.py",
                 "tests/kernels/test_paged_attention.py", "tests/kernels/test_paged_attention_quant.py",
                 "tests/kernels/test_gated_delta.py")
+PYTEST_ARGS = ("-q", "-p", "no:cacheprovider", "-o", "addopts=-ra")
 
 
 def kernel_tests(device: torch.device, out: Path) -> dict:
     env = dict(os.environ, NINFER_TEST_DEVICE=device.type, HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
+    # -o addopts=: one process on the one GPU, and pytest-xdist (the default options' -n) may not be installed there
+    run = subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, *KERNEL_TESTS],
                          env=env, capture_output=True, text=True)
     (out / "kernel_tests.log").write_text(run.stdout + run.stderr)
     return {"returncode": run.returncode, "summary": pytest_summary(run.stdout), "seconds": time.perf_counter() - t0}

@@ -143,7 +143,7 @@ def test_the_kernel_tests_it_runs_import_only_torch_triton_numpy_and_pytest():
             "            raise ImportError(f'{name} is blocked: the GPU check must run without it')\n"
             "sys.meta_path.insert(0, Blocked())\n"
             "import pytest\n"
-            f"args = ['--collect-only', '-q', '-p', 'no:cacheprovider', *{list(gpu_check.KERNEL_TESTS)!r}]\n"
+            f"args = ['--collect-only', *{list(gpu_check.PYTEST_ARGS)!r}, *{list(gpu_check.KERNEL_TESTS)!r}]\n"
             "sys.exit(pytest.main(args))\n")
     # pytest's plugins installed here (pytest-qt imports PySide6) are not on the GPU machine
     run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
