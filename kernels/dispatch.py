@@ -14,6 +14,7 @@ Public functions (same signatures as the twins in kernels/reference.py):
   gdn_recurrent(q, k, v, g, beta, state, slots, step_slots=None)
   gdn_chunked(q, k, v, g, beta, state, slot)
   causal_conv_update(x, weight, conv_state, slots)
+  fused_moe(x, w_gate_up, w_down, weights, ids)
 """
 from __future__ import annotations
 
@@ -186,3 +187,12 @@ def causal_conv_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.
         from kernels.gated_delta import causal_conv_update as kernel
         return kernel(x, weight, conv_state, slots)
     return reference.causal_conv_update_ref(x, weight, conv_state, slots)
+
+
+def fused_moe(x: torch.Tensor, w_gate_up, w_down, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """A MoE MLP's routed experts over stacked expert weights (dense [E, N, K] or QuantizedWeight [E * N, K]);
+    [T, H] in x.dtype. Twin: reference.fused_moe_ref."""
+    if use_triton(x.device):
+        from kernels.moe import fused_moe as kernel
+        return kernel(x, w_gate_up, w_down, weights, ids)
+    return reference.fused_moe_ref(x, w_gate_up, w_down, weights, ids)

@@ -88,6 +88,13 @@ class QuantizedWeight:
                                self.shape)
 
 
+def row_slice(qw: QuantizedWeight, start: int, n: int) -> QuantizedWeight:
+    """Rows start..start+n of `qw` as a weight of its own whose tensors are views of qw's (no copy)."""
+    cut = lambda t: None if t is None else t[start:start + n]  # noqa: E731
+    return QuantizedWeight(qw.format, cut(qw.qweight), cut(qw.scales), cut(qw.mins), qw.group_size,
+                           (n, qw.in_features))
+
+
 # ---------------------------------------------------------------------------------------------------- packing
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """[..., K] codes 0..15 (any integer dtype) -> uint8 [..., K // 2]: element 2j low nibble, 2j+1 high nibble."""

@@ -10,11 +10,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import QuantizedWeight, dequantize
+from kernels.quant import QuantizedWeight, dequantize, row_slice
 
 __all__ = ["dequantize", "quant_linear_ref", "int16_rows", "lowbit_linear_ref", "rms_norm_ref", "rope_ref", "rope_tables", "silu_and_mul_ref",
            "kv_dequantize_ref", "paged_decode_attention_ref", "gdn_recurrent_ref", "gdn_chunked_ref",
-           "causal_conv_update_ref"]
+           "causal_conv_update_ref", "fused_moe_ref"]
 
 
 def quant_linear_ref(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -245,3 +245,27 @@ def causal_conv_update_ref(x: torch.Tensor, weight: torch.Tensor, conv_state: to
     out = F.silu((window * weight.float()).sum(-1))
     conv_state.index_copy_(0, slots, window[..., 1:].to(conv_state.dtype))
     return out
+
+
+# ------------------------------------------------------------------------------------------------ mixture of experts
+def expert_weight(w: torch.Tensor | QuantizedWeight, e: int, n: int) -> torch.Tensor:
+    """Expert e's float32 [n, K] of a stack: dense [E, n, K], or a QuantizedWeight [E * n, K] (rows per expert)."""
+    return w[e].float() if isinstance(w, torch.Tensor) else dequantize(row_slice(w, e * n, n))
+
+
+def fused_moe_ref(x: torch.Tensor, w_gate_up: torch.Tensor | QuantizedWeight, w_down: torch.Tensor | QuantizedWeight,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts of a MoE MLP: x [T, H]; w_gate_up [E, 2I, H] (gate rows first) and w_down [E, H, I], dense
+    or QuantizedWeight stacks [E * 2I, H] / [E * H, I]; weights float32 [T, k]; ids [T, k].
+    y[t, j] = weights[t, j] * W_down[e] @ a with a = silu(g) * u, (g, u) = W_gate_up[e] @ x[t], e = ids[t, j], all in
+    float32 except a, rounded once to x.dtype (as the gated MLP stores it); out[t] = sum over j in order, cast to
+    x.dtype. Only the experts some token picked are read."""
+    h = x.shape[1]
+    inter = w_down.shape[-1] if isinstance(w_down, torch.Tensor) else w_down.in_features
+    y = torch.zeros(*ids.shape, h, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        t, j = (ids == e).nonzero(as_tuple=True)
+        gate, up = (x[t].float() @ expert_weight(w_gate_up, e, 2 * inter).T).chunk(2, dim=-1)
+        a = (F.silu(gate) * up).to(x.dtype).float()
+        y[t, j] = (a @ expert_weight(w_down, e, h).T) * weights[t, j].float().unsqueeze(1)
+    return y.sum(1).to(x.dtype)

@@ -6,8 +6,11 @@ over all experts, the top k, divided by their sum (`norm_topk`). The router and 
 whatever the model's dtype (a bf16 router flips near-tied experts). Each expert is two of our Linear layers (fused
 gate|up, down), so low-bit formats and GGUF types reach experts as they reach every other weight.
 
-Compute reads only what the tokens use: one token runs its k experts; a batch of tokens is grouped by expert, one
-matmul per expert that any token picked, its rows scattered back weighted (index_add), never one per token."""
+Compute reads only what the tokens use. Where Triton runs (CUDA; the interpreter in the tests) the routed experts are
+two launches of kernels/moe.py over the layer's experts stacked once (`stack_linears`: each expert's Linear then views
+into the stack, no second copy). Elsewhere, and for experts in host memory: one token runs its k experts; a batch of
+tokens is grouped by expert, one matmul per expert that any token picked, its rows scattered back weighted
+(index_add), never one per token."""
 from __future__ import annotations
 
 import torch
@@ -15,7 +18,9 @@ import torch.nn.functional as F
 
 from engine.model.config import ModelConfig
 from engine.model.layers import silu_and_mul
-from engine.model.linear import Linear, fuse
+from engine.model.linear import Linear, Weight, fuse
+from kernels import dispatch
+from kernels.quant import QuantizedWeight, row_slice
 
 
 def moe_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
@@ -59,6 +64,46 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+def _stack_key(w: Weight) -> tuple:
+    if isinstance(w, torch.Tensor):
+        return tuple(w.shape), w.dtype, w.device
+    return (w.shape, w.format, w.group_size, w.qweight.dtype, w.scales.dtype,
+            None if w.mins is None else w.mins.dtype, w.device)
+
+
+def stackable(linears: list[Linear]) -> bool:
+    """The linears' weights are of one shape, dtype, format and device, without a bias."""
+    return all(lin.bias is None for lin in linears) and len({_stack_key(lin.weight) for lin in linears}) == 1
+
+
+def _empty_stack(w: Weight, e: int) -> Weight:
+    if isinstance(w, torch.Tensor):
+        return torch.empty(e, *w.shape, dtype=w.dtype, device=w.device)
+    rows = lambda t: None if t is None else t.new_empty(e * t.shape[0], t.shape[1])  # noqa: E731
+    return QuantizedWeight(w.format, rows(w.qweight), rows(w.scales), rows(w.mins), w.group_size,
+                           (e * w.out_features, w.in_features))
+
+
+def stack_linears(linears: list[Linear]) -> Weight:
+    """The `stackable` linears' weights as one stack, dense [E, N, K] or a QuantizedWeight [E * N, K] (rows per
+    expert), that each Linear then views into. Copied one expert at a time: an expert's own tensor goes as soon as
+    its Linear holds the view, unless something else holds it (while a model is built, its dict of converted tensors
+    keeps the down weights until the end of the build)."""
+    first = linears[0].weight
+    stack, n = _empty_stack(first, len(linears)), first.shape[0]
+    del first
+    for i, lin in enumerate(linears):
+        if isinstance(stack, torch.Tensor):
+            lin.weight = stack[i].copy_(lin.weight)
+            continue
+        view = row_slice(stack, i * n, n)
+        for part in ("qweight", "scales", "mins"):
+            if getattr(view, part) is not None:
+                getattr(view, part).copy_(getattr(lin.weight, part))
+        lin.weight = view
+    return stack
+
+
 class Expert:
     """One SwiGLU expert (also the shared expert): down(silu(gate(x)) * up(x))."""
 
@@ -83,6 +128,18 @@ class MoEMLP:
         self.shared_gate = w[p + "shared_expert_gate.weight"].float() if m.shared_size else None
         self.host = False  # the routed experts live in host memory (--n-cpu-moe): computed there, in host_dtype
         self.host_dtype = torch.float32
+        self.stacks: tuple | None = None  # (gate_up, down) for kernels/moe.py; () where the experts do not stack
+        device = self.experts[0].down.weight.device
+        if device.type == "cuda" and dispatch.use_triton(device):
+            self.stack_experts()  # at load, before the KV pools are sized on the memory left
+
+    def stack_experts(self) -> tuple:
+        """The routed experts' stacks (`stack_linears`; built once: at load on CUDA, else at the first call where
+        Triton runs), or () where the experts differ."""
+        if self.stacks is None:
+            groups = [[x.gate_up for x in self.experts], [x.down for x in self.experts]]
+            self.stacks = tuple(map(stack_linears, groups)) if all(map(stackable, groups)) else ()
+        return self.stacks
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         weights, ids = route(F.linear(h.float(), self.router), self.top_k, self.renormalize)
@@ -95,6 +152,8 @@ class MoEMLP:
         return out if shared is None else out + shared
 
     def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not self.host and dispatch.use_triton(h.device) and self.stack_experts():
+            return dispatch.fused_moe(h, *self.stacks, weights, ids)
         return self._one_token(h, weights, ids) if h.shape[0] == 1 else self._grouped(h, weights, ids)
 
     def _shared(self, h: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ def environment(device: torch.device) -> dict:
 # The kernel tests run on the GPU: they need torch, triton, numpy and pytest only (a GPU machine may lack the rest)
 KERNEL_TESTS = ("tests/kernels/test_quant.py", "tests/kernels/test_qlinear.py", "tests/kernels/test_elementwise.py",
                 "tests/kernels/test_paged_attention.py", "tests/kernels/test_paged_attention_quant.py",
-                "tests/kernels/test_gated_delta.py")
+                "tests/kernels/test_gated_delta.py", "tests/kernels/test_fused_moe.py")
 PYTEST_ARGS = ("-q", "-p", "no:cacheprovider", "-o", "addopts=-ra")
 
 

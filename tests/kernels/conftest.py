@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 TRITON_MODULES = ("kernels.qlinear", "kernels.paged_attention", "kernels.rms_norm", "kernels.rope",
                   "kernels.silu_and_mul", "kernels.kv_write", "kernels.quest", "kernels.gated_delta",
-                  "kernels.gated_delta_chunk")
+                  "kernels.gated_delta_chunk", "kernels.moe")  # kernels.moe after kernels.qlinear, whose tiles it calls
 for _name in TRITON_MODULES:
     if _name in sys.modules:
         importlib.reload(sys.modules[_name])

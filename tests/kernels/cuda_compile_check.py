@@ -21,8 +21,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import (gated_delta, gated_delta_chunk, kv_write, paged_attention, qlinear, quest, rms_norm, rope,
-                     silu_and_mul)
+from kernels import (gated_delta, gated_delta_chunk, kv_write, moe, paged_attention, qlinear, quest, rms_norm,
+                     rope, silu_and_mul)
 
 I32 = "i32"
 
@@ -62,6 +62,7 @@ def cases():
            {"BLOCK": 1024}, 4)
     yield from more_cases()
     yield from gated_delta_cases()
+    yield from moe_cases()
 
 
 def paged_attention_cases():
@@ -159,6 +160,31 @@ def gated_delta_cases():
                           "o_ptr": "*fp32"})
         yield (f"causal_conv_update x={x} state={st} K=4", fn, sig, {"K": 4, "BLOCK_C": 256},
                {"num_warps": 2, "aligned": aligned(sig)})
+
+
+def moe_cases():
+    """The fused-MoE kernels (kernels/moe.py) at Qwen3.5-35B-A3B's shapes (H 2048, I 512, E 256, k 8): dense bf16
+    (tl.dot on bf16 tiles) and fp32, and every low-bit format with bf16 activations (tf32 dots), at the decode and
+    the prompt tiles the wrapper picks on a GPU."""
+    e, k = 256, 8
+    formats = [("bf16", moe.DENSE, False, "*bf16", "*bf16"), ("fp32", moe.DENSE, False, "*fp32", "*fp32")]
+    formats += [(f"{fmt}{' per-channel' if pc else ''}", code, pc, "*i8" if fmt == "int8" else "*u8", "bf16")
+                for fmt, code in qlinear.FMT_CODE.items() for pc in ([True, False] if fmt == "int8" else [False])]
+    for name, code, per_channel, wt, xt in formats:
+        xt = xt if xt.startswith("*") else f"*{xt}"
+        native, prec = xt == "*bf16" and code == moe.DENSE, "ieee" if xt == "*fp32" else "tf32"
+        st = wt if code == moe.DENSE else ("*fp32" if per_channel else "*fp16")
+        for pairs in (k, 2048 * k):  # one token's experts; a 2048-token prompt's
+            bm, bn, bk, warps = moe.launch_blocks(pairs, e, 512, 2048, False)
+            for fn, out in ((moe._gate_up_kernel, "act_ptr"), (moe._down_kernel, "y_ptr")):
+                sig = {p.name: "constexpr" if p.is_constexpr else I32 for p in fn.params}
+                sig |= {"x_ptr": xt, "act_ptr": xt, "w_ptr": wt, "s_ptr": st, "m_ptr": st, "sorted_ptr": "*i32",
+                        "expert_ptr": "*i32", "y_ptr": "*fp32", "rw_ptr": "*fp32"}
+                sig = {n: t for n, t in sig.items() if n in {p.name for p in fn.params}}
+                aligned = [n for n, t in sig.items() if t.startswith("*") or n.startswith("stride")]
+                yield (f"fused_moe {fn.__name__.strip('_')} {name} x={xt[1:]} pairs={pairs}", fn, sig,
+                       {"FMT": code, "PER_CHANNEL": per_channel, "NATIVE": native, "BLOCK_M": bm, "BLOCK_N": bn,
+                        "BLOCK_K": bk, "PRECISION": prec}, {"num_warps": warps, "aligned": aligned})
 
 
 def ptxas_info(ptx: str, arch: int) -> dict:

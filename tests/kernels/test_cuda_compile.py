@@ -28,6 +28,8 @@ def test_kernels_compile_for_cuda_without_spills():
     assert len(rows) > 50
     gated_delta = {row["kernel"].split()[0] for row in rows if row["kernel"].startswith(("gdn_", "causal_conv"))}
     assert gated_delta == {"gdn_recurrent", "gdn_chunked", "causal_conv_update"}, gated_delta
+    assert {row["kernel"].split()[1] for row in rows if row["kernel"].startswith("fused_moe")} == \
+        {"gate_up_kernel", "down_kernel"}
     failed = [row for row in rows if not row["ok"]]
     assert not failed, failed[:3]
     spilled = [f"sm_{row['arch']} {row['kernel']}: {row['spill_bytes']} bytes" for row in rows if row["spill_bytes"]]
