@@ -42,7 +42,7 @@ def supported_architectures() -> tuple[str, ...]:
 
 def runs_experts(h: GGUFHeader) -> bool:
     """False for a file with experts in an architecture whose MoE layers this engine does not run (a Mixtral as
-    'llama'); the MoE architectures it runs are GGUF_MOE_ARCHS that it supports (qwen35moe)."""
+    'llama'); the MoE architectures it runs are GGUF_MOE_ARCHS (qwen35moe, qwen3next)."""
     from engine.model.config import GGUF_MOE_ARCHS
 
     return not h.get(f"{h.architecture}.expert_count") or h.architecture in GGUF_MOE_ARCHS
@@ -75,7 +75,8 @@ def shape_from_header(h: GGUFHeader, name: str, file_size: int = 0):
     if isinstance(kv, (list, tuple)):  # hybrids: 0 KV heads on the recurrent layers
         full, kv_heads = sum(1 for n in kv if n), int(max(kv))
     else:
-        interval = int(get("full_attention_interval", 0) or 0)
+        # a hybrid without the key (qwen3next files of older converters): llama.cpp's default, every fourth layer
+        interval = int(get("full_attention_interval", 0) or (4 if get("ssm.time_step_rank") else 0))
         kv_heads, full = int(kv), layers // interval if interval else layers
     head_dim = int(get("attention.key_length", hidden // max(heads, 1)))
     linear = None
@@ -149,7 +150,8 @@ def mark_header(h: GGUFHeader, name: str, *, vram_mib: int, ram_mib: int, file_s
     if arch not in supported_architectures():
         return FitMark(UNSUPPORTED, f"'{arch or 'unknown'}' (this engine runs {', '.join(supported_architectures())})")
     if not runs_experts(h):
-        return FitMark(UNSUPPORTED, f"'{arch}' with mixture-of-experts layers (this engine runs them as qwen35moe)")
+        return FitMark(UNSUPPORTED, f"'{arch}' with mixture-of-experts layers (this engine runs them in qwen35moe "
+                                    f"and qwen3next files)")
     try:
         shape = shape_from_header(h, name, file_size)
         return mark_shape(shape, vram_mib=vram_mib, ram_mib=ram_mib, settings=settings)

@@ -9,12 +9,12 @@ from engine.memory.specs import LAYER_KINDS
 from engine.model.registry import check_supported
 
 # The architectures (engine.model.registry) whose GGUF files engine/model/gguf_file.py reads: the llama family, and
-# the Gated-DeltaNet hybrids (llama.cpp's qwen35: Qwen3.5 dense).
+# the Gated-DeltaNet hybrids (llama.cpp's qwen35: Qwen3.5 dense; qwen35moe; qwen3next).
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
-GGUF_HYBRID_ARCHS = ("qwen35", "qwen35moe")
-# The mixture-of-experts GGUF architectures (llama.cpp writes them only with MoE layers, in every layer): qwen35moe
-# runs as the qwen35 model class with MoE MLPs (engine/model/moe.py); qwen3next is refused (its grouped ssm_in /
-# ssm_ba layout is not read yet; its HF folders run).
+GGUF_HYBRID_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
+# The mixture-of-experts GGUF architectures (llama.cpp writes them only with MoE layers, in every layer): both run
+# as the qwen35 model class with MoE MLPs (engine/model/moe.py); qwen3next's grouped ssm_in / ssm_ba projections are
+# cut as engine/model/gguf_qwen3next.py says.
 GGUF_MOE_ARCHS = {"qwen35moe": "Qwen3.5-MoE", "qwen3next": "Qwen3-Next"}
 # The names HF config.json files give the architectures engine.model.registry implements.
 HF_ARCHS = {

@@ -1,6 +1,7 @@
 """Read GGUF files with the `gguf` package: the llama family (Llama/SmolLM, Qwen2, Qwen3) and llama.cpp's qwen35
-Gated-DeltaNet hybrids, dense or with mixture-of-experts MLPs (qwen35moe). The tensor names and stored forms are in
-engine/model/gguf_names.py, the experts' in engine/model/gguf_experts.py."""
+Gated-DeltaNet hybrids, dense or with mixture-of-experts MLPs (qwen35moe, qwen3next). The tensor names and stored
+forms are in engine/model/gguf_names.py, the experts' in engine/model/gguf_experts.py, qwen3next's grouped GDN
+projections in engine/model/gguf_qwen3next.py."""
 from __future__ import annotations
 
 import logging
@@ -17,8 +18,9 @@ from engine.errors import ModelLoadError
 from engine.model.config import (GGUF_ARCHS, GGUF_HYBRID_ARCHS, GGUF_MOE_ARCHS, LinearAttentionConfig, ModelConfig,
                                  MoEConfig)
 from engine.model.gguf_experts import restore_moe, split_stacked
-from engine.model.gguf_names import is_stacked
+from engine.model.gguf_names import is_stacked, source_arch
 from engine.model.gguf_names import column_heads, gguf_name, hf_name, restore, row_order, stored_shape, untile
+from engine.model.gguf_qwen3next import grouped_parts, grouped_shape, is_grouped, split_grouped
 from engine.model.gguf_exact import EXACT_LAYOUTS, STORED_AS, pack_exact, probe_planes
 from engine.model.linear import TERNARY_GROUP, keeps_codes
 from kernels.quant import QuantizedWeight, dequantize as dequantize_weight, from_gguf, quantize_ternary
@@ -73,12 +75,6 @@ def _field(reader: GGUFReader, key: str, default=None):
 def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     arch = _field(reader, "general.architecture")
     experts = _field(reader, f"{arch}.expert_count")
-    if arch in GGUF_MOE_ARCHS and arch not in GGUF_HYBRID_ARCHS:
-        raise ModelLoadError(f"{path.name}: architecture '{arch}' ({GGUF_MOE_ARCHS[arch]}, {experts or 'with'} "
-                             f"experts) is a mixture-of-experts model whose GGUF layout (grouped ssm_in / ssm_ba "
-                             f"projections) this engine does not read yet.",
-                             "Use the model's Hugging Face folder (Qwen3NextForCausalLM runs), or a Qwen3.5/3.6-MoE "
-                             "GGUF (architecture qwen35moe).")
     if arch == "qwen35" and experts:
         raise ModelLoadError(f"{path.name}: architecture 'qwen35' (dense Qwen3.5) claims {experts} experts; "
                              f"llama.cpp writes Qwen3.5-MoE files as 'qwen35moe'.",
@@ -120,16 +116,19 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         qk_norm=arch not in GGUF_HYBRID_ARCHS and "blk.0.attn_q_norm.weight" in names,  # (qwen35: its own q/k norms)
         name=str(_field(reader, "general.name", path.stem)),
         moe=moe,
+        extra={"gguf_arch": arch},  # the stored forms follow the file's architecture (gguf_names.source_arch)
         **hybrid,
     )
 
 
-# GGUF architectures that run as another one's model class: qwen35moe is qwen35 with MoE MLPs
-MODEL_ARCH = {"qwen35moe": "qwen35"}
+# GGUF architectures that run as another one's model class: qwen35moe is qwen35 with MoE MLPs, qwen3next (Qwen3-Next:
+# engine/model/gguf_qwen3next.py) is too
+MODEL_ARCH = {"qwen35moe": "qwen35", "qwen3next": "qwen35"}
 
 
 def _moe(arch: str, layers: int, need) -> MoEConfig:
-    """llama.cpp's MoE keys; every layer is MoE, the top k always renormalised (llama.cpp hard-codes it)."""
+    """llama.cpp's MoE keys; every layer is MoE, the top k always renormalised (llama.cpp hard-codes it, and a
+    qwen3next file has no norm_topk_prob: src/models/qwen3next.cpp, build_layer_ffn)."""
     shared = int(need("expert_shared_feed_forward_length"))
     return MoEConfig(int(need("expert_count")), int(need("expert_used_count")),
                      int(need("expert_feed_forward_length")), shared, True, tuple(range(layers)))
@@ -217,6 +216,20 @@ def _stacked_experts(t, name: str, shape: tuple[int, ...], native: bool, path: P
                              "The file is damaged; download it again.") from None
 
 
+def _grouped(t, name: str, shape: tuple[int, ...], cfg: ModelConfig, native: bool, path: Path) -> dict:
+    """qwen3next's grouped ssm_in / ssm_ba cut into the flat HF tensors (engine/model/gguf_qwen3next.py)."""
+    want = grouped_shape(name, cfg)
+    if shape != want:
+        raise ModelLoadError(f"{path.name}: tensor {t.name} has shape {shape}, expected {want} (grouped per key "
+                             f"head).", "The file is damaged or was converted wrongly; convert it again.")
+    exact = (lambda values, blocks: exact_native(values, t.tensor_type.name, blocks, lambda a: a)) if native else None
+    try:
+        return split_grouped(t, grouped_parts(name, cfg), want, native, NATIVE_TYPES, exact)
+    except ValueError as e:
+        raise ModelLoadError(f"{path.name}: tensor {t.name} ({t.tensor_type.name}) cannot be read: {e}.",
+                             "The file is damaged; download it again.") from None
+
+
 def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Event | None = None,
               native: bool = False) -> LoadedWeights:
     """Tensors under HF names: dequantized to float32, or with native=True the linear weights of the low-bit types
@@ -230,19 +243,21 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
     ticker = Ticker(len(reader.tensors), progress, cancel)
     expected = expected_shapes(cfg)
     main_layers = cfg.num_layers if cfg.arch in GGUF_HYBRID_ARCHS else None
+    arch = source_arch(cfg)
     for t in reader.tensors:
-        name = hf_name(t.name, cfg.arch, main_layers)
+        name = hf_name(t.name, arch, main_layers)
         ticker.step(f"loading {t.name}")
         if name is None:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         kind = storage[name] = t.tensor_type.name
-        if is_stacked(name):
-            experts = _stacked_experts(t, name, shape, native, path)
-            tensors.update(experts)
+        if is_stacked(name) or is_grouped(name):
+            parts = _stacked_experts(t, name, shape, native, path) if is_stacked(name) else \
+                _grouped(t, name, shape, cfg, native, path)
+            tensors.update(parts)
             storage.pop(name)
             storage.update({n: f"{kind} -> {_stored(v)}" if native and kind not in DENSE_TYPES else kind
-                            for n, v in experts.items()})
+                            for n, v in parts.items()})
             continue
         # rows or V-head columns stored in another order than HF's (a tensor of the wrong shape is left as it is,
         # for check_complete to name it)
@@ -295,5 +310,5 @@ def load_gguf(path: Path, progress: Progress | None = None, cancel: threading.Ev
     if converted:
         log.info("%s: GGUF types as stored for the kernels (never fewer bits than the file): %s", path.name,
                  converted)
-    check_complete(cfg, tensors, path.name, lambda n: gguf_name(n, cfg.arch))
+    check_complete(cfg, tensors, path.name, lambda n: gguf_name(n, arch))
     return LoadedWeights(cfg, tensors, "gguf", storage)

@@ -16,6 +16,10 @@ qwen35 (Qwen3.5 dense Gated-DeltaNet hybrids; the converter's Qwen3.5 text model
 - layer kinds: `{arch}.attention.recurrent_layers` when present, else layer i is full attention when
   (i + 1) % `{arch}.full_attention_interval` (default 4) == 0;
 - qwen35moe (Qwen3.5/3.6-MoE) is qwen35 with mixture-of-experts MLPs (MOE_NAMES; engine/model/gguf_experts.py);
+- qwen3next (Qwen3-Next) runs as qwen35 too, with its own stored forms (engine/model/gguf_qwen3next.py): the norms,
+  ssm_a, ssm_dt and ssm_conv1d as qwen35, but the value heads in HF's grouped order (never tiled), and the GDN
+  input projections grouped per key head (`ssm_in`, older converters; or `attn_qkv` + `attn_gate` flat) with
+  `ssm_ba` grouped [b | a] per key head, cut here under the pseudo-names in_proj_qkvz / in_proj_ba;
 - MTP: `{arch}.block_count` counts the `{arch}.nextn_predict_layers` MTP blocks appended after the main layers; the
   first holds blk.{L}.nextn.{eh_proj, enorm, hnorm, shared_head_norm} beside a full-attention layer's tensors. They
   load under the mtp.* names of HF checkpoints (engine/speculative/mtp.py)."""
@@ -81,8 +85,17 @@ def stacked_gguf_name(name: str) -> str | None:
     return f"blk.{parts[2]}.ffn_{parts[6].removesuffix('_proj')}_exps.weight[{parts[5]}]"
 
 
+# qwen3next: no ssm_beta / ssm_alpha, the grouped ssm_in (HF's in_proj_qkvz) and ssm_ba (in_proj_ba) instead
+_QWEN3NEXT_LAYER_NAMES = {k: v for k, v in _QWEN35_LAYER_NAMES.items() if k not in ("ssm_beta.weight",
+                                                                                     "ssm_alpha.weight")} | {
+    "ssm_in.weight": "linear_attn.in_proj_qkvz.weight",
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+}
 LAYER_NAMES = {"llama": _LAYER_NAMES, "qwen2": _LAYER_NAMES, "qwen3": _LAYER_NAMES,
-               "qwen35": _QWEN35_LAYER_NAMES | MOE_NAMES}
+               "qwen35": _QWEN35_LAYER_NAMES | MOE_NAMES, "qwen35moe": _QWEN35_LAYER_NAMES | MOE_NAMES,
+               "qwen3next": _QWEN3NEXT_LAYER_NAMES | MOE_NAMES}
+# for messages: the qwen3next tensor an HF tensor cut from a grouped one comes from
+_QWEN3NEXT_SOURCES = {"linear_attn.in_proj_b.weight": "ssm_ba.weight", "linear_attn.in_proj_a.weight": "ssm_ba.weight"}
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight", "rope_freqs.weight": "rope_freqs"}
 # the first MTP block's own tensors (blk.{L}.nextn.*); nextn.embed_tokens (a copy of token_embd) is not read
@@ -116,6 +129,8 @@ def gguf_name(name: str, arch: str) -> str | None:
             return gguf
     parts = name.split(".", 3)
     if len(parts) == 4 and parts[:2] == ["model", "layers"]:
+        if arch == "qwen3next" and parts[3] in _QWEN3NEXT_SOURCES:
+            return f"blk.{parts[2]}.{_QWEN3NEXT_SOURCES[parts[3]]}"
         for gguf, hf in LAYER_NAMES.get(arch, _LAYER_NAMES).items():
             if hf == parts[3]:
                 return f"blk.{parts[2]}.{gguf}"
@@ -129,9 +144,15 @@ def untile(num_k_heads: int, num_v_heads: int, width: int) -> np.ndarray:
     return np.arange(num_v_heads * width).reshape(per_key, num_k_heads, width).transpose(1, 0, 2).reshape(-1)
 
 
+def source_arch(cfg) -> str:
+    """The architecture a GGUF file names (its model class's, cfg.arch, may be another: qwen35moe -> qwen35)."""
+    return cfg.extra.get("gguf_arch", cfg.arch)
+
+
 def _tiled(cfg) -> bool:
+    """V heads stored tiled: qwen35 / qwen35moe with more value than key heads (qwen3next keeps them grouped)."""
     n = cfg.linear
-    return cfg.arch == "qwen35" and n is not None and n.num_v_heads != n.num_k_heads
+    return cfg.arch == "qwen35" and source_arch(cfg) != "qwen3next" and n is not None and n.num_v_heads != n.num_k_heads
 
 
 def row_order(name: str, cfg, shape: tuple[int, ...], expected: tuple[int, ...] | None) -> np.ndarray | None:

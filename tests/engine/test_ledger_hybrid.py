@@ -119,14 +119,14 @@ def test_the_shape_of_a_qwen35_gguf_counts_what_the_engine_allocates(gguf, check
 
 def test_a_moe_gguf_the_engine_does_not_read_is_refused_by_the_ledger_as_by_the_engine(checkpoint,  # noqa: F811
                                                                                         tmp_path):
-    """qwen3next files (its MoE placement in the ledger: tests/engine/test_moe_placement.py)."""
+    """A dense qwen35 file that claims experts (qwen35moe and qwen3next files run; their MoE placement in the
+    ledger: tests/engine/test_moe_placement.py)."""
     hf, _ = checkpoint
     state = {n: t for n, t in hf.state_dict().items() if not n.startswith("model.layers.")}
-    path = write_qwen35_gguf(state, hf.config, tmp_path / "moe.gguf", arch="qwen3next",
-                             extra={"qwen3next.expert_count": 8})
+    path = write_qwen35_gguf(state, hf.config, tmp_path / "moe.gguf", extra={"qwen35.expert_count": 8})
     with pytest.raises(ModelLoadError) as e:
         ModelShape.from_path(path)
-    assert "mixture-of-experts" in e.value.problem and "qwen35moe" in e.value.remedy
+    assert "claims 8 experts" in e.value.problem and "qwen35moe" in e.value.problem
 
 
 @pytest.mark.parametrize("which", ["published", "gguf"])

@@ -4,7 +4,8 @@ checkpoints (fp32; perturbed norms, A_log and dt_bias; 4 value heads over 2 key 
   gguf package's own name map), norms stored as 1 + w, ssm_a = -exp(A_log), the conv kernel squeezed to 2-D, V heads
   in its tiled order, MTP blocks appended as blk.{L}.nextn.*; F32, and Q8_0 linear weights;
 - Qwen3-Next folders (grouped in_proj_qkvz / in_proj_ba) whose layers are all dense;
-- and the refusals: the MoE GGUF layouts not read (qwen3next), GGUF files with a missing or mis-shaped GDN tensor."""
+- and the refusals: a dense qwen35 GGUF that claims experts, GGUF files with a missing or mis-shaped GDN tensor
+  (qwen3next GGUFs run: tests/engine/test_qwen3next_gguf.py)."""
 from __future__ import annotations
 
 import json
@@ -302,12 +303,11 @@ def test_gguf_mtp_block_loads_under_the_mtp_names(checkpoint, tmp_path):  # noqa
 
 
 @pytest.mark.parametrize("arch,expected,remedy", [
-    ("qwen3next", ["'qwen3next'", "Qwen3-Next", "8 experts", "grouped ssm_in"], "Qwen3NextForCausalLM"),
     ("qwen35", ["'qwen35'", "claims 8 experts", "qwen35moe"], "convert it again"),
 ])
 def test_moe_gguf_layouts_not_read_are_refused(checkpoint, tmp_path, arch, expected, remedy):  # noqa: F811
-    """qwen35moe files run (tests/engine/test_qwen35_moe.py); a qwen3next file, or a dense qwen35 one that claims
-    experts, is refused naming what it is."""
+    """qwen35moe and qwen3next files run (tests/engine/test_qwen35_moe.py, test_qwen3next_gguf.py); a dense qwen35
+    one that claims experts is refused naming what it is."""
     hf, _ = checkpoint
     state = {n: t for n, t in hf.state_dict().items() if not n.startswith("model.layers.")}
     path = write_qwen35_gguf(state, hf.config, tmp_path / f"{arch}.gguf", arch=arch,
