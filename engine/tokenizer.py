@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,8 @@ class Tokenizer:
         self.vocab_size: int = len(hf)
         self.bos_token_id: int | None = hf.bos_token_id
         self.eos_token_ids: frozenset[int] = frozenset(self._find_eos_ids(extra_eos_ids))
+        self._plain: Any = None  # a copy of the backend that reads special-token text as text (made when needed)
+        self._plain_lock = threading.Lock()
 
     # ----- loading -----
 
@@ -114,13 +117,27 @@ class Tokenizer:
 
     # ----- text <-> ids -----
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
         """The token ids of `text`. A long text is encoded with the GIL released (tokenizers' encode_batch; encode
         holds it throughout, and a 1M-character prompt takes seconds), so the server's event loop and other threads
-        run meanwhile; the ids are the same."""
+        run meanwhile; the ids are the same. ``parse_special=False`` reads the text of special tokens (e.g.
+        ``<|im_end|>``) as plain text instead of as those tokens."""
+        backend = self._backend if parse_special else self._plain_backend()
         if len(text) < RELEASE_GIL_CHARS:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
-        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def _plain_backend(self) -> Any:
+        """A copy of the backend with ``encode_special_tokens`` set (the flag is the backend's own, shared by every
+        thread that encodes, so it is never flipped on the one in use); made once, ~0.1 s."""
+        with self._plain_lock:
+            if self._plain is None:
+                from tokenizers import Tokenizer as Backend
+
+                plain = Backend.from_str(self._backend.to_str())
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

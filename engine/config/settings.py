@@ -66,6 +66,9 @@ class Settings:
     # sampling
     default_max_tokens: int = _default("default_max_tokens")
     default_reasoning_effort: str = _default("default_reasoning_effort")
+    reasoning_budget: int = _default("reasoning_budget")  # -1: unrestricted (engine/server/thinking.py)
+    reasoning_budget_message: str = _default("reasoning_budget_message")
+    reasoning_preserve: str = _default("reasoning_preserve")
     mode: str = _default("mode")
     temperature: float | None = _default("temperature")
     top_p: float | None = _default("top_p")

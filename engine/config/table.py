@@ -233,6 +233,17 @@ SETTINGS: tuple[Setting, ...] = (
            maximum=2**31 - 1),
         _s("default_reasoning_effort", str, "auto", "Reasoning effort used when a request does not set one; auto lets the model decide.",
            choices=("auto", "none", "low", "medium", "high")),
+        _s("reasoning_budget", int, -1, "Most tokens a thinking model may reason before its end-of-thinking tag is "
+           "forced and the answer follows: -1 unrestricted, 0 ends thinking at once; a request's reasoning_effort "
+           "allows a share of its max_tokens (at most this), its thinking.budget_tokens exactly that many.",
+           minimum=-1, maximum=2**31 - 1, default_means="unrestricted"),
+        _s("reasoning_budget_message", str, "", "Text the model is made to write, on lines of its own, just before "
+           "its end-of-thinking tag when the thinking budget runs out (e.g. \"Time is up, I answer now.\"); empty "
+           "adds nothing.", metavar="TEXT", default_means="nothing"),
+        _s("reasoning_preserve", str, "auto", "The reasoning of earlier turns in the prompt: on keeps every turn's, "
+           "off drops the reasoning of turns before the last user message, auto leaves it to the chat template.",
+           choices=("auto", "on", "off"),
+           aliases=(("true", "on"), ("false", "off"), ("1", "on"), ("0", "off"), ("yes", "on"), ("no", "off"))),
         _s("mode", str, "chat", "Sampling preset for requests: chat is more varied, agent is more deterministic for tool use.",
            choices=("chat", "agent")),
         _s("temperature", float, None, "Default sampling temperature (0 to 2); unset uses the mode's value.",

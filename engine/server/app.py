@@ -7,7 +7,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engine.metrics import RequestCounter
-from engine.server import admin, errors, security
+from engine.server import admin, errors, security, tokens
 from engine.server.bodies import ThreadedBodyRoute
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
@@ -67,6 +67,11 @@ def create_app(state: ServerState) -> FastAPI:
                                  route_class_override=ThreadedBodyRoute)
     app.router.add_api_route("/v1/completions", create_completion, methods=["POST"],
                              route_class_override=ThreadedBodyRoute)
+    for path, handler, bare in tokens.routes(state):  # counting, tokenizing, rendering: nothing generated
+        app.router.add_api_route(path, handler, methods=["POST"], route_class_override=ThreadedBodyRoute)
+        if bare:
+            app.router.add_api_route(path.removeprefix("/v1"), handler, methods=["POST"], include_in_schema=False,
+                                     route_class_override=ThreadedBodyRoute)
     app.add_api_route("/models", list_models, methods=["GET"], include_in_schema=False)
     return app
 

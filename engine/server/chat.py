@@ -17,6 +17,7 @@ from engine.server.generation import (Choice, check_prompt_chars, response_const
 from engine.server.parsers import offered_tools, required_tool, validate_tools
 from engine.server.schemas import ChatCompletionRequest
 from engine.server.state import ServerState
+from engine.server.thinking import drop_earlier_thinking, preserve_kwargs, thinking_constraint
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -47,23 +48,33 @@ def _thinking_kwargs(state: ServerState, req: ChatCompletionRequest, template: s
     return {"enable_thinking": effort != "none"}
 
 
-def render(state: ServerState, req: ChatCompletionRequest, param: str = "messages") -> tuple[list[int], bool]:
-    """Token ids of the prompt, and whether the model's answer starts inside a <think> block. CPU-bound (a long
-    conversation takes seconds to render and encode): call it in a worker thread."""
+def render_text(state: ServerState, req: ChatCompletionRequest, param: str = "messages") -> str:
+    """The prompt text the chat template makes of the request (what POST /apply-template answers), the thinking of
+    earlier turns kept or dropped per --reasoning-preserve. CPU-bound: call it in a worker thread."""
     tok = state.ready().tokenizer
     problems = validate_tools(req.tools, req.tool_choice)
     if problems:
         raise APIError(400, "Invalid tools: " + "; ".join(problems) + ".", param="tools")
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    preserve = state.settings.reasoning_preserve
+    if preserve == "off":
+        messages = drop_earlier_thinking(messages)
     tools = req.tools if req.tools and req.tool_choice != "none" else None
     template = tok.chat_template or ""
     try:
         text = tok.render_chat(messages, tools=tools, add_generation_prompt=True,
-                               **_thinking_kwargs(state, req, template))
+                               **_thinking_kwargs(state, req, template), **preserve_kwargs(preserve, template))
     except NInferError as e:
         raise APIError(400, str(e), param="messages") from None
     check_prompt_chars(tok, text, state.ready().context_window, param)
-    return tok.encode(text), text.rstrip().endswith("<think>")
+    return text
+
+
+def render(state: ServerState, req: ChatCompletionRequest, param: str = "messages") -> tuple[list[int], bool]:
+    """Token ids of the prompt, and whether the model's answer starts inside a <think> block. CPU-bound (a long
+    conversation takes seconds to render and encode): call it in a worker thread."""
+    text = render_text(state, req, param)
+    return state.ready().tokenizer.encode(text), text.rstrip().endswith("<think>")
 
 
 def parallel_calls(req: ChatCompletionRequest) -> bool:
@@ -102,6 +113,8 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerState, reque
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, state, len(prompt), loaded.context_window, logprobs)
     params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, req, in_reasoning)
+    params.constraint = thinking_constraint(state, loaded.tokenizer, req.reasoning_effort, params.max_tokens,
+                                            in_reasoning, params.constraint)
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     names = offered_tools(req.tools, req.tool_choice)
     choices = [Choice(i, loaded.tokenizer, req.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
@@ -120,14 +133,15 @@ class _Reply:
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.completion = {c.index: 0 for c in choices}
+        self.cached = {c.index: 0 for c in choices}  # prompt tokens each choice's sequence reused from the cache
         self.speculation: dict[int, tuple[int, int]] = {}  # choice -> (drafted, accepted) when speculating
 
     @property
     def usage(self) -> dict:
-        return usage_dict(self.prompt_tokens, self.completion, self.speculation)
+        return usage_dict(self.prompt_tokens, self.completion, self.speculation, self.cached, len(self.choices))
 
     def events(self):
-        usage = {"completion_tokens": self.completion, "speculation": self.speculation}
+        usage = {"completion_tokens": self.completion, "cached_tokens": self.cached, "speculation": self.speculation}
         return run_choices(self.streams, self.choices, usage)
 
     async def whole(self) -> dict:

@@ -79,6 +79,7 @@ class _Reply:
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.completion = {c.index: 0 for c in choices}
+        self.cached = {c.index: 0 for c in choices}  # prompt tokens each choice's sequence reused from the cache
         self.speculation: dict[int, tuple[int, int]] = {}  # choice -> (drafted, accepted) when speculating
 
     def _body(self, choices, usage=None) -> dict:
@@ -89,8 +90,11 @@ class _Reply:
         return body
 
     def events(self):
-        usage = {"completion_tokens": self.completion, "speculation": self.speculation}
+        usage = {"completion_tokens": self.completion, "cached_tokens": self.cached, "speculation": self.speculation}
         return run_choices(self.streams, self.choices, usage)
+
+    def usage(self) -> dict:
+        return usage_dict(self.prompt_tokens, self.completion, self.speculation, self.cached, self.req.n)
 
     async def whole(self) -> dict:
         acc = {c.index: {"text": [self.echoes[c.index]], "lps": [], "finish": "stop"} for c in self.choices}
@@ -104,7 +108,7 @@ class _Reply:
         choices = [{"index": i, "text": "".join(a["text"]), "finish_reason": a["finish"],
                     "logprobs": _legacy_logprobs(self.tokenizer, a["lps"], len(self.echoes[i]))
                     if self.req.logprobs is not None else None} for i, a in acc.items()]
-        return self._body(choices, usage_dict(self.prompt_tokens, self.completion, self.speculation))
+        return self._body(choices, self.usage())
 
     async def sse(self):
         offsets = {c.index: len(self.echoes[c.index]) for c in self.choices}
@@ -125,5 +129,5 @@ class _Reply:
                     yield sse(self._body([{"index": ev.index, "text": ev.content, "logprobs": lps,
                                            "finish_reason": ev.finish}]))
         if self.req.stream_options and self.req.stream_options.include_usage:
-            yield sse(self._body([], usage_dict(self.prompt_tokens, self.completion, self.speculation)))
+            yield sse(self._body([], self.usage()))
         yield "data: [DONE]\n\n"

@@ -281,11 +281,19 @@ async def unless_disconnected(request, coro, poll: float = 0.25):
             task.cancel()
 
 
-def usage_dict(prompt_tokens: int, completion: dict[int, int], speculation: dict | None = None) -> dict:
-    """OpenAI usage; with speculative decoding, completion_tokens_details counts the drafted tokens the model
-    accepted and rejected (the fields OpenAI uses for predicted outputs)."""
+def usage_dict(prompt_tokens: int, completion: dict[int, int], speculation: dict | None = None,
+               cached: dict[int, int] | None = None, per_prompt: int = 1) -> dict:
+    """OpenAI usage. prompt_tokens_details.cached_tokens: the prompt tokens the engine reused from its prefix cache
+    instead of computing (`cached`: per choice, choices `per_prompt` to a prompt; a prompt counts once, with what
+    every one of its choices reused). With speculative decoding, completion_tokens_details counts the drafted
+    tokens the model accepted and rejected (the fields OpenAI uses for predicted outputs)."""
     done = sum(completion.values())
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": done, "total_tokens": prompt_tokens + done}
+    if cached is not None:
+        counts = [cached[i] for i in sorted(cached)]
+        step = max(per_prompt, 1)
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(min(counts[k:k + step])
+                                                               for k in range(0, len(counts), step))}
     if speculation:
         drafted = sum(d for d, _ in speculation.values())
         accepted = sum(a for _, a in speculation.values())

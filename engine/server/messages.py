@@ -14,7 +14,6 @@ from typing import Annotated, Any
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field, ValidationError
 
-from engine.constrain import ThinkingBudget
 from engine.server.chat import SSE_HEADERS, output_constraint, parallel_calls, render
 from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
@@ -25,6 +24,7 @@ from engine.server.schemacheck import schema_problems
 from engine.server.schemas import (INT32_MAX, MAX_MESSAGES, MAX_STOP, MAX_TOOLS, Bool, ChatCompletionRequest, Float,
                                    Int, TokenCount, _Open)
 from engine.server.state import ServerState
+from engine.server.thinking import thinking_constraint
 
 BILLING_HEADER = "x-anthropic-billing-header"
 _THINKING_EFFORT = {"enabled": "high", "disabled": "none", "adaptive": None}
@@ -284,9 +284,9 @@ async def messages(req: MessagesRequest, state: ServerState, request=None):
     chat, omitted, prompt, in_reasoning = await asyncio.to_thread(prepare, state, req, served)
     params = sampling_params(chat, state, len(prompt), loaded.context_window)
     params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)
+    params.constraint = thinking_constraint(state, loaded.tokenizer, chat.reasoning_effort, params.max_tokens,
+                                            in_reasoning, params.constraint, explicit=budget)
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
-    if budget is not None and reasoning and budget < params.max_tokens:  # the model's reasoning ends by then
-        params.constraint = ThinkingBudget(loaded.tokenizer, budget, in_reasoning, params.constraint)
     streams = submit(state, prompt, params, 1)
     choice = Choice(0, loaded.tokenizer, chat.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
                     tool_names=offered_tools(chat.tools, chat.tool_choice),

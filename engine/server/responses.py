@@ -19,6 +19,7 @@ from engine.server.responses_reply import ResponseReply
 from engine.server.schemas import (MAX_MESSAGES, MAX_TOOLS, Bool, ChatCompletionRequest, Float, TokenCount,
                                    _Open)
 from engine.server.state import ServerState
+from engine.server.thinking import thinking_constraint
 
 _EFFORT = {"none": "none", "minimal": "minimal", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
 
@@ -88,13 +89,20 @@ def prepare(state: ServerState, req: ResponsesRequest, served: str, tools: Respo
     return chat, prompt, in_reasoning
 
 
+def check_nothing_stored(req: ResponsesRequest) -> None:
+    """A 400 for a request that refers to a stored response or conversation: this server stores none."""
+    stored = {"previous_response_id": req.previous_response_id,
+              "conversation": (req.model_extra or {}).get("conversation")}
+    for field, value in stored.items():
+        if value:
+            raise APIError(400, f"{field} is not available: this server stores no responses. Send the whole "
+                                f"conversation in input (as Codex does with store=false).", param=field)
+
+
 async def responses(req: ResponsesRequest, state: ServerState, request=None):
     served = state.check_model(req.model)
     loaded = state.ready()
-    if req.previous_response_id:
-        raise APIError(400, "previous_response_id is not available: this server stores no responses. Send the "
-                            "whole conversation in input (as Codex does with store=false).",
-                       param="previous_response_id")
+    check_nothing_stored(req)
     tools = read_tools(req.tools)
     chat, prompt, in_reasoning = await asyncio.to_thread(prepare, state, req, served, tools)
     params = sampling_params(chat, state, len(prompt), loaded.context_window, param="input")
@@ -103,6 +111,8 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
     except APIError as e:  # the chat pipeline names chat's field; here it is text.format
         e.param = "text.format" if e.param == "response_format" else e.param
         raise
+    params.constraint = thinking_constraint(state, loaded.tokenizer, chat.reasoning_effort, params.max_tokens,
+                                            in_reasoning, params.constraint)
     streams = submit(state, prompt, params, 1, param="input")
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     choice = Choice(0, loaded.tokenizer, [], reasoning=reasoning, starts_in_reasoning=in_reasoning,

@@ -1,7 +1,7 @@
-"""Property-based fuzzing of the three APIs (OpenAI chat and completions, Anthropic messages, Responses) from the
-server's own OpenAPI schema, with valid bodies and with bodies that break it (schemathesis' positive and negative
-modes), bounded in examples: no input makes the server answer 500, every refusal is in the shape of the API its
-route belongs to, and afterwards the server is healthy and holds no sequence."""
+"""Property-based fuzzing of the three APIs (OpenAI chat and completions, Anthropic messages, Responses; the token
+routes too) from the server's own OpenAPI schema, with valid bodies and with bodies that break it (schemathesis'
+positive and negative modes), bounded in examples: no input makes the server answer 500, every refusal is in the
+shape of the API its route belongs to, and afterwards the server is healthy and holds no sequence."""
 from types import SimpleNamespace
 
 import pytest
@@ -75,7 +75,8 @@ def test_no_input_gives_a_server_error_and_refusals_have_the_api_shape(case):
 def test_every_api_is_fuzzed():
     fuzzed = {result.ok().path for result in schema.get_all_operations()}
     assert {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-            "/v1/responses"} <= fuzzed
+            "/v1/responses", "/v1/responses/input_tokens", "/v1/chat/completions/input_tokens", "/tokenize",
+            "/detokenize", "/apply-template"} <= fuzzed
 
 
 @pytest.mark.parametrize("path,body", [
