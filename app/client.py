@@ -4,13 +4,15 @@
 (content, reasoning, tool calls, finish, usage, error); cancelling the task that iterates it closes the connection,
 which aborts the request on the server. ``metrics()`` reads ``GET /metrics`` (Prometheus text) into the numbers the
 monitor plots, for NInfer and for the names vLLM and llama.cpp servers use; ``settings()`` / ``put_settings()`` use
-NInfer's ``/ninfer/v1/settings`` (other servers answer 404: the mode switch is then unavailable).
+NInfer's ``/ninfer/v1/settings`` (other servers answer 404: the mode switch is then unavailable). ``shared_url()``
+is the API's address to give out: with the embedded server open to the network, the one other computers use.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -18,6 +20,35 @@ from typing import Any, AsyncIterator
 import httpx
 
 SETTINGS_PATH = "/ninfer/v1/settings"
+ALL_INTERFACES = ("0.0.0.0", "::", "", "*")  # a server bound to one of these listens on the network too
+
+
+def lan_addresses() -> list[str]:
+    """This computer's IPv4 addresses other computers on the network can reach (no loopback), best first."""
+    found: list[str] = []
+    try:  # the address of the interface a packet to the outside would leave by (nothing is sent)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            found.append(s.getsockname()[0])
+    except OSError:
+        pass
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            found.append(info[4][0])
+    except OSError:
+        pass
+    return [a for a in dict.fromkeys(found) if not a.startswith("127.") and a != "0.0.0.0"]
+
+
+def shared_url(service) -> str:
+    """The OpenAI base URL to give out for the embedded server ``service`` (its host, port and url): bound to every
+    interface (open to the network), http://LAN-ADDRESS:PORT/v1 with this computer's first LAN address, what other
+    computers use (and this one too); otherwise ``service.url`` (bound to one address: that address)."""
+    if (service.host or "").strip().strip("[]") in ALL_INTERFACES:
+        lan = lan_addresses()
+        if lan:
+            return f"http://{lan[0]}:{service.port}/v1"
+    return service.url
 
 
 @dataclass(frozen=True)

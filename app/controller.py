@@ -23,7 +23,7 @@ from app.appconfig import AppConfig, with_server
 from app.asyncutil import spawn
 from app.backend import BackendMixin
 from app.library.control import LibraryMixin
-from app.client import ApiClient, Endpoint
+from app.client import ApiClient, Endpoint, shared_url
 from app.launcher.window import LauncherWindow
 from app.qtcompat import guard_refcount_leaks
 from app.chat.store import ConversationStore
@@ -93,7 +93,7 @@ class Controller(LibraryMixin, BackendMixin, QObject):
         if s.status == READY:
             loaded = s.state.loaded
             device = f" · {loaded.device}" if loaded is not None else ""
-            return f"● Serving {', '.join(s.model_ids)} at {s.url}{device}"
+            return f"● Serving {', '.join(s.model_ids)} at {shared_url(s)}{device}"
         return f"Engine {s.status}" + (f": {s.load_error}" if s.load_error else "")
 
     def model_label(self) -> str:
@@ -364,7 +364,7 @@ class Controller(LibraryMixin, BackendMixin, QObject):
     # ---- small things -------------------------------------------------------------------------------------------
     def copy_url(self) -> None:
         if self.service is not None and not self.remote:
-            url = self.service.url
+            url = shared_url(self.service)  # with the API open to the network: the address other computers use
         elif self.endpoint is not None:
             url = self.endpoint.api_url
         else:

@@ -171,6 +171,14 @@ def fitted_experts(device: torch.device, c: EngineConfig, path: Path) -> tuple[i
     return plan.host_layers, plan.kv_dtype
 
 
+WARMUP = "warm-up: "  # the progress messages after the weights are read (the launcher shows them as such)
+
+
+def _warming(progress: Progress | None, what: str) -> None:
+    if progress is not None:
+        progress(1.0, WARMUP + what)
+
+
 @in_own_thread
 def load_model(model: str | Path | None = None, config: EngineConfig | None = None, *,
                progress: Progress | None = None, cancel: threading.Event | None = None,
@@ -199,6 +207,7 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
     options["cpu_compile"] = c.cpu_compile
     if host_experts:
         options["host_experts"] = host_experts
+    _warming(progress, f"preparing the weights for the {dev.type.upper()}")
     net = build_model(weights, wdtype, dev, fmt, keep_native=c.weight_dtype == "auto", **options)
     log.info("weights: %s, %.0f MiB read per token", net.weight_format, net.weight_bytes() / 2**20)
     if host_experts:
@@ -207,6 +216,9 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
                  len(cfg.moe.layers), ", ".join(map(str, sorted(net.host_layers))), moved / 2**20)
     if (dev.type == "cpu" or host_experts) and c.cpu_compile != "off":
         use_kernel_cache()
+        if not cpu_native.loaded():
+            _warming(progress, "compiling the C++ decode kernels for this CPU (the first start only, a minute or "
+                               "so; later starts load them)")
         done = use_cpu_kernel(net)
         if done is None:
             log.warning("decoder layers: the C++ decode kernels are not available (%s); they decode through ATen's "
@@ -215,6 +227,7 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
                         "bf16 activations, slower" if fmt else "about half the speed")
         else:
             log.info("decoder layers: %s", done)
+    _warming(progress, "checking the converted weights")
     selfcheck.run(weights, net, fmt, kdtype, tokenizer, allow=c.allow_lossy_format)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights
@@ -278,6 +291,7 @@ def build_engine(model: str | Path | None = None, config: EngineConfig | None = 
     single fields of it, e.g. build_engine(path, max_context=1024)): load_model, then assemble_engine."""
     c = (config or EngineConfig()).replace(**settings)
     loaded = load_model(model, c, progress=progress, cancel=cancel)
+    _warming(progress, "sizing the KV cache and building the engine")
     engine = assemble_engine(loaded, c)
     loaded.mtp_tensors = {}  # the speculator holds what it took
     return engine

@@ -1,5 +1,5 @@
 """Conversations to and from files (Qt-free): Markdown to read or share, JSON to import again (title, system prompt,
-the conversation's settings and every message with its numbers)."""
+the conversation's settings and every message with its numbers and the model that wrote it)."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,8 @@ def to_json(conv: Conversation, messages: list[Message]) -> str:
         "format": FORMAT, "version": VERSION, "title": conv.title, "system_prompt": conv.system_prompt,
         "options": conv.options,
         "messages": [{"role": m.role, "content": m.content, "reasoning": m.reasoning, "tool_calls": m.tool_calls,
-                      "stats": m.stats} for m in messages]}, indent=2, ensure_ascii=False) + "\n"
+                      "stats": m.stats, **({"model": m.model} if m.model else {})} for m in messages]},
+        indent=2, ensure_ascii=False) + "\n"
 
 
 class ConversationFileError(ValueError):
@@ -63,7 +64,7 @@ def from_json(text: str) -> tuple[str, str, dict[str, Any], list[Message]]:
             system = content
             continue
         messages.append(Message(m["role"], content, str(m.get("reasoning") or ""), list(m.get("tool_calls") or []),
-                                dict(m.get("stats") or {})))
+                                dict(m.get("stats") or {}), model=str(m.get("model") or "")))
     title = str(data.get("title") or next((m.content.splitlines()[0][:48] for m in messages
                                            if m.role == "user" and m.content.strip()), "Imported chat"))
     options = data.get("options") if isinstance(data.get("options"), dict) else {}

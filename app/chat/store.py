@@ -2,8 +2,9 @@
 
 A conversation has a title, a system prompt, its own sampling options (temperature, top-p, top-k, max tokens; unset
 ones follow the server's mode) and ordered messages; a message keeps its role, content, reasoning, tool
-calls and the numbers measured while it streamed (tokens, TTFT, tok/s). Writes commit at once, so a crash loses at
-most the message being streamed.
+calls, the numbers measured while it streamed (tokens, TTFT, tok/s) and, for an answer, the id of the model that
+wrote it ("" in a database from before models were recorded). Writes commit at once, so a crash loses at most the
+message being streamed.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ CREATE TABLE IF NOT EXISTS messages (
     reasoning TEXT NOT NULL DEFAULT '',
     tool_calls TEXT NOT NULL DEFAULT '[]',
     stats TEXT NOT NULL DEFAULT '{}',
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    model TEXT NOT NULL DEFAULT ''
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, position);
 """
@@ -47,6 +49,7 @@ class Message:
     tool_calls: list[dict] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)  # tokens, ttft, tok_s, finish, error
     id: int | None = None
+    model: str = ""  # an answer: the id of the model that wrote it ("" when not recorded)
 
     def api_dict(self) -> dict[str, Any]:
         """As an OpenAI chat message (reasoning is not sent back)."""
@@ -74,10 +77,13 @@ class ConversationStore:
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA foreign_keys = ON")
         self.db.executescript(SCHEMA)
-        columns = {r["name"] for r in self.db.execute("PRAGMA table_info(conversations)")}
-        if "options" not in columns:  # a database from an earlier version
-            self.db.execute("ALTER TABLE conversations ADD COLUMN options TEXT NOT NULL DEFAULT '{}'")
+        self._add_column("conversations", "options", "TEXT NOT NULL DEFAULT '{}'")  # databases from earlier versions
+        self._add_column("messages", "model", "TEXT NOT NULL DEFAULT ''")
         self.db.commit()
+
+    def _add_column(self, table: str, column: str, kind: str) -> None:
+        if column not in {r["name"] for r in self.db.execute(f"PRAGMA table_info({table})")}:
+            self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self.db.close()
@@ -137,17 +143,17 @@ class ConversationStore:
         rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY position",
                                (conversation_id,)).fetchall()
         return [Message(r["role"], r["content"], r["reasoning"], json.loads(r["tool_calls"]), json.loads(r["stats"]),
-                        r["id"]) for r in rows]
+                        r["id"], r["model"]) for r in rows]
 
     def append(self, conversation_id: int, message: Message) -> Message:
         (position,) = self.db.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id=?",
                                       (conversation_id,)).fetchone()
         now = time.time()
         cur = self.db.execute(
-            "INSERT INTO messages(conversation_id, position, role, content, reasoning, tool_calls, stats, created) "
-            "VALUES (?,?,?,?,?,?,?,?)",
+            "INSERT INTO messages(conversation_id, position, role, content, reasoning, tool_calls, stats, created, "
+            "model) VALUES (?,?,?,?,?,?,?,?,?)",
             (conversation_id, position, message.role, message.content, message.reasoning,
-             json.dumps(message.tool_calls), json.dumps(message.stats), now))
+             json.dumps(message.tool_calls), json.dumps(message.stats), now, message.model))
         self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conversation_id))
         self.db.commit()
         message.id = cur.lastrowid
@@ -156,9 +162,9 @@ class ConversationStore:
     def update(self, message: Message) -> None:
         if message.id is None:
             raise ValueError("the message was never stored")
-        self.db.execute("UPDATE messages SET content=?, reasoning=?, tool_calls=?, stats=? WHERE id=?",
+        self.db.execute("UPDATE messages SET content=?, reasoning=?, tool_calls=?, stats=?, model=? WHERE id=?",
                         (message.content, message.reasoning, json.dumps(message.tool_calls),
-                         json.dumps(message.stats), message.id))
+                         json.dumps(message.stats), message.model, message.id))
         self.db.commit()
 
     def truncate(self, conversation_id: int, keep: int) -> None:

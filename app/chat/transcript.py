@@ -1,6 +1,7 @@
 """The chat transcript as HTML for a QTextBrowser: one table per message (Qt's rich text has no CSS boxes), markdown
-and code highlighting from app/chat/render.py, actions as ninfer: links; plus the one-line summary of the sampling
-values in force. Qt-free."""
+and code highlighting from app/chat/render.py, actions as ninfer: links, and the model that wrote each answer once
+the conversation holds answers of a model other than the one loaded now; plus the chat header's line of the sampling
+values in force (the conversation's own, then the mode's). Qt-free."""
 from __future__ import annotations
 
 import html
@@ -23,30 +24,55 @@ def sampling_text(sampling: dict | None) -> str:
     return " · ".join(parts)
 
 
+OWN_NAMES = (("temperature", "temperature"), ("top_p", "top_p"), ("top_k", "top_k"), ("max_tokens", "max tokens"))
+
+
+def header_text(sampling: dict | None, own: dict | None, has_modes: bool = True) -> str:
+    """The chat header's sampling line: the conversation's own values ("This chat: temperature 0.3 · max tokens
+    77"), then what the mode gives the rest (the mode's values the conversation overrides left out)."""
+    own = {k: v for k, v in (own or {}).items() if v is not None}
+    mode = sampling_text({k: v for k, v in (sampling or {}).items() if k not in own}) if has_modes else \
+        "this server has no mode switch"
+    if not own:
+        return mode
+    mine = " · ".join(f"{label} {own[key]:g}" for key, label in OWN_NAMES if isinstance(own.get(key), (int, float)))
+    return f"This chat: {mine}" + (f"  —  {'mode: ' if has_modes else ''}{mode}" if mode else "")
+
+
+def models_shown(messages: list[Message], current: str | None) -> bool:
+    """Whether answers name their model: once the conversation holds an answer of a model other than the one loaded
+    now (after a switch), every answer with a recorded model says which one wrote it."""
+    return any(m.role == "assistant" and m.model and m.model != current for m in messages)
+
+
 def transcript_html(messages: list[Message], streaming: Message | None, expanded: set[int], t: dict,
-                    copied: tuple[int, int | None] | None = None) -> str:
+                    copied: tuple[int, int | None] | None = None, current_model: str | None = None) -> str:
     """``streaming``: the answer being written (shown with a cursor, without actions); ``expanded``: ids of the
     messages whose reasoning is shown; ``t``: the transcript colours (render.LIGHT / render.DARK); ``copied``:
-    (message index, code block or None for the whole message) just copied, said in place of its Copy link."""
+    (message index, code block or None for the whole message) just copied, said in place of its Copy link;
+    ``current_model``: the model loaded now (answers of others name theirs, see ``models_shown``)."""
     if not messages:
         tip = ("Ask anything. Answers stream from the model through its OpenAI-compatible API; the same API "
                "serves your editor or agent (see the Server tab).")
         return (f'<div style="color:{t["muted"]};margin:40px 30px;text-align:center">'
                 f'<p style="font-size:large">Start a conversation</p><p>{html.escape(tip)}</p></div>')
     last_assistant = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+    named = models_shown(messages, current_model)
     out = [f'<div style="color:{t["text"]}">']
     for i, m in enumerate(messages):
         out.append(message_html(i, m, t, last_assistant=i == last_assistant, streaming=m is streaming,
-                                expanded=m.id in expanded, copied=copied[1] if copied and copied[0] == i else -1))
+                                expanded=m.id in expanded, copied=copied[1] if copied and copied[0] == i else -1,
+                                named=named))
     out.append("</div>")
     return "".join(out)
 
 
 def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming: bool, expanded: bool,
-                 copied: int | None = -1) -> str:
-    """One message as a table: who, its stats, reasoning (collapsed unless ``expanded``), tool calls, the text and
-    its actions (links the chat view handles: ninfer:copy/N, copycode/N/B, edit/N, regen/N, reasoning/N,
-    version/N/K). ``copied``: None when the message was just copied, B when its code block B was, else -1."""
+                 copied: int | None = -1, named: bool = False) -> str:
+    """One message as a table: who (with ``named``, an answer's model), its stats, reasoning (collapsed unless
+    ``expanded``), tool calls, the text and its actions (links the chat view handles: ninfer:copy/N, copycode/N/B,
+    edit/N, regen/N, reasoning/N, version/N/K). ``copied``: None when the message was just copied, B when its code
+    block B was, else -1."""
     link = f'style="color:{t["accent"]};text-decoration:none"'
     copy = (f'<span style="color:{t["muted"]}">Copied ✓</span>' if copied is None
             else f'<a href="ninfer:copy/{i}" {link}>Copy</a>')
@@ -95,6 +121,8 @@ def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming
         body.append(f'<p style="color:{t["error"]}">⚠ {html.escape(m.stats["error"])}</p>')
     stats = render.stats_text(m.stats) if m.role == "assistant" and not streaming else ""
     meta = f'<span style="color:{t["muted"]};font-size:small">&nbsp;&nbsp;{html.escape(stats)}</span>'
+    if named and m.role == "assistant" and m.model:  # the model that wrote this answer
+        meta = f'&nbsp;<span style="color:{t["accent"]};font-size:small">· {html.escape(m.model)}</span>' + meta
     acts = (f'<p style="margin:4px 0 0 0;font-size:small">{" &nbsp;·&nbsp; ".join(actions)}</p>'
             if not streaming else "")
     return (f'<table width="100%" cellspacing="0" cellpadding="10" style="margin:6px 4px" bgcolor="{bg}">'

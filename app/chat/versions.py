@@ -15,7 +15,7 @@ KEYS = ("versions", "version")
 
 def snapshot(m: Message) -> dict[str, Any]:
     return {"content": m.content, "reasoning": m.reasoning, "tool_calls": list(m.tool_calls),
-            "stats": {k: v for k, v in m.stats.items() if k not in KEYS}}
+            "stats": {k: v for k, v in m.stats.items() if k not in KEYS}, "model": m.model}
 
 
 def earlier(m: Message | None) -> list[dict[str, Any]]:
@@ -46,6 +46,7 @@ def show(m: Message, k: int) -> bool:
         return False
     v = versions[k]
     m.content, m.reasoning, m.tool_calls = v["content"], v["reasoning"], list(v["tool_calls"])
+    m.model = v.get("model", m.model)  # (versions kept before models were recorded have none)
     m.stats = {**v["stats"], "versions": versions, "version": k}
     return True
 
@@ -59,7 +60,7 @@ BRANCH_KEYS = ("branches", "branch")
 
 def _message_dict(m: Message) -> dict[str, Any]:
     return {"role": m.role, "content": m.content, "reasoning": m.reasoning, "tool_calls": list(m.tool_calls),
-            "stats": {k: v for k, v in m.stats.items() if k not in BRANCH_KEYS}}
+            "stats": {k: v for k, v in m.stats.items() if k not in BRANCH_KEYS}, "model": m.model}
 
 
 def branch_count(m: Message) -> int:
@@ -85,8 +86,8 @@ def switch(tail: list[Message], k: int) -> list[Message] | None:
     if not others or not 0 <= k < len(every) or k == current:
         return None
     chosen = every.pop(k)
-    messages = [Message(d["role"], d["content"], d["reasoning"], list(d["tool_calls"]), dict(d["stats"]))
-                for d in chosen]
+    messages = [Message(d["role"], d["content"], d["reasoning"], list(d["tool_calls"]), dict(d["stats"]),
+                        model=d.get("model", "")) for d in chosen]
     messages[0].stats["branches"] = every
     messages[0].stats["branch"] = k
     return messages

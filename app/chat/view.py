@@ -15,43 +15,30 @@ import time
 from contextlib import aclosing
 
 import httpx
-from PySide6.QtCore import Qt, QTimer, Signal
-from PySide6.QtGui import QKeyEvent
-from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QTextBrowser,
-                               QToolButton, QVBoxLayout, QWidget)
+from PySide6.QtCore import QTimer, Signal
+from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QPushButton, QTextBrowser, QToolButton, QVBoxLayout,
+                               QWidget)
 
 from app.chat import context, render, versions
 
 from app import theme
 from app.asyncutil import spawn
 from app.chat.context_bar import ContextBar
+from app.chat.message_box import MessageBox
 from app.chat.actions import TranscriptActions
 from app.chat.options import ChatOptions
 from app.client import ApiError
 from app.chat.store import Conversation, ConversationStore, Message
-from app.chat.transcript import sampling_text, transcript_html
+from app.chat.transcript import header_text, transcript_html
 
 REPAINT_MS = 200  # at most five repaints a second while tokens stream
 COPIED_MS = 1500  # how long "Copied ✓" stands in place of a Copy link
 NEW_TITLE = "New chat"
 
 
-
 def transcript_palette() -> dict[str, str]:
     """The transcript's colours for the app's current theme."""
     return render.DARK if theme.is_dark() else render.LIGHT
-
-class _Input(QPlainTextEdit):
-    """Enter sends, Shift+Enter adds a line."""
-
-    submit = Signal()
-
-    def keyPressEvent(self, event: QKeyEvent) -> None:
-        if event.key() in (Qt.Key.Key_Return, Qt.Key.Key_Enter) and not (
-                event.modifiers() & Qt.KeyboardModifier.ShiftModifier):
-            self.submit.emit()
-            return
-        super().keyPressEvent(event)
 
 
 class ChatPanel(TranscriptActions, QWidget):
@@ -75,6 +62,8 @@ class ChatPanel(TranscriptActions, QWidget):
         self.copied: tuple[int, int | None] | None = None  # (message, code block or None) just copied
         self.chars_per_token = context.DEFAULT_CHARS_PER_TOKEN  # calibrated by each answer's usage
         self.last_count: tuple[int, int] | None = None  # (content characters, prompt tokens) of the last request
+        self.mode_sampling: tuple[str | None, dict | None] = (None, None)  # the server's mode and its sampling
+        self.shown_model: str | None = None  # the model loaded when the transcript was last drawn
         self._build()
         self._copied_timer = QTimer(self, singleShot=True, interval=COPIED_MS)
         self._copied_timer.timeout.connect(self._copied_done)
@@ -151,23 +140,17 @@ class ChatPanel(TranscriptActions, QWidget):
         self.notice.setVisible(False)
         layout.addWidget(self.notice)
         row = QHBoxLayout()
-        self.input = _Input()
-        self.input.setPlaceholderText("Message the model  (Enter sends, Shift+Enter for a new line)")
-        self.input.setMaximumHeight(96)
+        self.input = MessageBox()
         self.input.submit.connect(lambda: self.send())
         self.input.textChanged.connect(self.update_context)
         row.addWidget(self.input, 1)
         buttons = QVBoxLayout()
-        self.send_button = QPushButton("Send")
+        self.send_button, self.stop_button, self.regen_button = (QPushButton(t) for t in ("Send", "Stop", "Regenerate"))
         self.send_button.setObjectName("Primary")
-        self.send_button.clicked.connect(lambda: self.send())
-        self.stop_button = QPushButton("Stop")
-        self.stop_button.clicked.connect(self.stop)
-        self.regen_button = QPushButton("Regenerate")
-        self.regen_button.clicked.connect(self.regenerate)
-        buttons.addWidget(self.send_button)
-        buttons.addWidget(self.stop_button)
-        buttons.addWidget(self.regen_button)
+        for b, slot in ((self.send_button, lambda: self.send()), (self.stop_button, self.stop),
+                        (self.regen_button, self.regenerate)):
+            b.clicked.connect(slot)
+            buttons.addWidget(b)
         row.addLayout(buttons)
         layout.addLayout(row)
         self.context_bar = ContextBar(self)
@@ -190,6 +173,7 @@ class ChatPanel(TranscriptActions, QWidget):
         self.update_context()
         self._stick = True
         self.render()
+        self._show_sampling()
         self._update_buttons()
 
     def _options_changed(self) -> None:
@@ -198,6 +182,7 @@ class ChatPanel(TranscriptActions, QWidget):
             self.conversation.options = self.options.options()
             self.store.set_system_prompt(self.conversation.id, self.conversation.system_prompt)
             self.store.set_options(self.conversation.id, self.conversation.options)
+        self._show_sampling()
         self.update_context()
 
     @property
@@ -266,7 +251,7 @@ class ChatPanel(TranscriptActions, QWidget):
 
     def _generate(self, before: list | None = None) -> None:
         conv = self.conversation
-        assistant = self.store.append(conv.id, Message("assistant"))
+        assistant = self.store.append(conv.id, Message("assistant", model=self.controller.model_id or ""))
         self.messages.append(assistant)
         self.streaming = assistant
         self.task = spawn(self._stream(assistant, before or []), "chat-stream")
@@ -364,13 +349,20 @@ class ChatPanel(TranscriptActions, QWidget):
         for b in self.mode_buttons.buttons():
             b.setEnabled(available)
             b.setChecked(b.property("mode") == mode)
-        self.sampling_label.setText(sampling_text(sampling) if available else
-                                    "this server has no mode switch")
+        self.mode_sampling = (mode, sampling)
+        self._show_sampling()
         self.options.set_defaults(sampling, self.controller.default_max_tokens()
                                   if hasattr(self.controller, "default_max_tokens") else None)
 
+    def _show_sampling(self) -> None:
+        """The header's line: this conversation's own sampling values, then the mode's for the rest."""
+        mode, sampling = self.mode_sampling
+        self.sampling_label.setText(header_text(sampling, self.options.options(), mode is not None))
+
     def set_model_label(self, text: str) -> None:
         self.model_label.setText(text)
+        if self.controller.model_id != self.shown_model:  # a switch: the answers say which model wrote them
+            self.render()
 
     def _update_buttons(self) -> None:
         busy = self.busy
@@ -403,4 +395,6 @@ class ChatPanel(TranscriptActions, QWidget):
                 self.view.verticalScrollBar().maximum()))
 
     def transcript_html(self) -> str:
-        return transcript_html(self.messages, self.streaming, self.expanded, transcript_palette(), self.copied)
+        self.shown_model = self.controller.model_id
+        return transcript_html(self.messages, self.streaming, self.expanded, transcript_palette(), self.copied,
+                               self.shown_model)

@@ -1,6 +1,8 @@
 """The model library's "On this computer" tab (Qt): the GGUF models in the Hugging Face cache, LM Studio's and
-Ollama's stores and the folders the user added, with architecture, parameters, quant, context, size and last use;
-Load one, or Remove a download of ours. The scan reads headers only and runs on a worker thread."""
+Ollama's stores and the folders the user added, with architecture, parameters, quant, context, size, last use and the
+memory ledger's fit mark for this machine (app/library/marks.py, its numbers in the tooltip); the model the server
+runs now is badged "loaded". Load one, or Remove a download of ours. The scan and the marks read headers only and
+run on a worker thread."""
 from __future__ import annotations
 
 import asyncio
@@ -11,16 +13,21 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QMessageBox,
                                QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from engine.library.fit import FitMark
 from engine.library.hub import LibraryError
 from engine.library.local import LocalModel
 from engine.service import READY
 
 from app import theme
 from app.asyncutil import spawn
-from app.library.rows import context_text, last_used_text, params_text, size_text
+from app.library import marks
+from app.library.rows import MARK_COLOURS, context_text, last_used_text, params_text, size_text
 
-COLUMNS = ("Model", "From", "Architecture", "Parameters", "Quant", "Context", "Size", "Last used")
+COLUMNS = ("Model", "From", "Architecture", "Parameters", "Quant", "Context", "Size", "Last used",
+           "Fit on this computer")
+FIT_COLUMN = COLUMNS.index("Fit on this computer")
 FOLDERS_KEY = "library_folders"
+LOADED = "  ● loaded"  # after the name of the model the server runs now
 
 
 class LocalPanel(QWidget):
@@ -29,9 +36,14 @@ class LocalPanel(QWidget):
         self.controller = controller
         self.models: list[LocalModel] = []
         self.scans = 0  # finished scans (tests wait on it)
+        self.marked = 0  # scans whose every model has its fit mark
+        self.marks: dict[str, FitMark] = {}  # model name -> its mark
+        self.loaded_row: int | None = None  # the row badged "loaded"
+        self._loaded_key: tuple | None = None  # (the served file, the scan) the badge was last placed for
         self.loading: LocalModel | None = None  # the model Load asked for, until it serves (or failed)
         self.after_scan = ""  # what the status line says after the next scan's count
         controller.state_changed.connect(self._follow_load)
+        controller.state_changed.connect(self._show_loaded)
         # asks before deleting a download from disk; replaced in tests
         self.confirm_remove = self._confirm_remove
         outer = QVBoxLayout(self)
@@ -89,9 +101,10 @@ class LocalPanel(QWidget):
         models.sort(key=lambda mw: -(mw[1] or 0))  # the most recently used first
         self.models = [m for m, _ in models]
         self.table.setRowCount(len(models))
+        self.loaded_row = None
         for i, (m, used) in enumerate(models):
             cells = (m.name, m.source, m.architecture or "?", params_text(m.parameters), m.quant or "?",
-                     context_text(m.context_length), size_text(m.size), last_used_text(used))
+                     context_text(m.context_length), size_text(m.size), last_used_text(used), "checking…")
             for c, text in enumerate(cells):
                 item = QTableWidgetItem(text)
                 item.setToolTip(str(m.path))
@@ -105,7 +118,60 @@ class LocalPanel(QWidget):
                  "No GGUF models found yet: download one in the Find tab, or add a folder.")
         self.status.setText(f"{self.after_scan} {count}" if self.after_scan else count)
         self.after_scan = ""
+        self._show_loaded()
         self._picked()
+        await self._mark(self.scans)
+
+    async def _mark(self, scan: int) -> None:
+        """Each model's fit mark, one at a time on a worker thread (a newer scan takes over)."""
+        from engine.library.fit import machine_memory
+
+        vram, ram = await asyncio.to_thread(machine_memory)
+        settings = self._settings()
+        where = marks.memory_text(vram, ram)
+        for i, m in enumerate(list(self.models)):
+            mark = await asyncio.to_thread(marks.mark_local, m, vram_mib=vram, ram_mib=ram, settings=settings)
+            if scan != self.scans:
+                return
+            self.marks[m.name] = mark
+            item = QTableWidgetItem(mark.mark)
+            item.setToolTip(f"{mark}\n\n(planned by the memory ledger {where})")
+            item.setForeground(QColor(theme.colors()[MARK_COLOURS.get(mark.mark, "muted")]))
+            self.table.setItem(i, FIT_COLUMN, item)
+        self.marked = scan
+
+    def _settings(self) -> dict:
+        launcher = getattr(self.controller, "launcher", None)
+        return launcher.form.values() if launcher is not None else {}
+
+    def loaded_path(self) -> Path | None:
+        """The model file the embedded server runs now (None: none, or chatting with another server)."""
+        c = self.controller
+        s = c.service
+        if c.remote or s is None or s.status != READY or c.switching:
+            return None
+        return Path(s.model_path) if s.model_path else None
+
+    def _show_loaded(self) -> None:
+        """Badges the row of the model the server runs now ("● loaded" after its name, in bold)."""
+        path = self.loaded_path()
+        if (path, self.scans) == self._loaded_key:
+            return  # (asked every second, with the status)
+        self._loaded_key = (path, self.scans)
+        row = next((i for i, m in enumerate(self.models) if marks.same_file(m, path)), None) if path else None
+        if row == self.loaded_row:
+            return
+        for i, badge in ((self.loaded_row, False), (row, True)):
+            item = self.table.item(i, 0) if i is not None and i < len(self.models) else None
+            if item is None:
+                continue
+            item.setText(self.models[i].name + (LOADED if badge else ""))
+            font = item.font()
+            font.setBold(badge)
+            item.setFont(font)
+            item.setToolTip(f"The server runs this model now.\n{self.models[i].path}" if badge else
+                            str(self.models[i].path))
+        self.loaded_row = row
 
     def selected(self) -> LocalModel | None:
         rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []

@@ -7,6 +7,8 @@ import time
 from engine.library.download import DownloadProgress
 from engine.library.fit import FITS, FITS_WINDOW, NEEDS_MORE, UNSUPPORTED
 
+from app.library.marks import FITS_EXPERTS
+
 
 def size_text(n: int) -> str:
     if n >= 2**30:
@@ -52,7 +54,8 @@ def progress_text(p: DownloadProgress) -> str:
     return f"{p.done / 2**20:.1f} of {p.total / 2**20:.1f} MiB · {rate}{left}"
 
 
-MARK_COLOURS = {FITS: "ok", FITS_WINDOW: "warning", NEEDS_MORE: "error", UNSUPPORTED: "error"}  # else: muted
+MARK_COLOURS = {FITS: "ok", FITS_WINDOW: "warning", FITS_EXPERTS: "warning", NEEDS_MORE: "error",
+                UNSUPPORTED: "error"}  # else: muted
 
 
 def hub_reference(repo_id: str, quant: str, same_quant: int) -> str | None:

@@ -6,13 +6,13 @@ form alone (the running values stay in the status line) until Apply or Revert.""
 from __future__ import annotations
 
 import secrets
-import socket
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QFontDatabase, QGuiApplication
 from PySide6.QtWidgets import (QCheckBox, QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPlainTextEdit,
                                QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
 
+from app import client as api
 from app.asyncutil import spawn
 from app.widgets import guard_wheel
 
@@ -40,23 +40,6 @@ def _code_box(text: str = "") -> QPlainTextEdit:
     box.setLineWrapMode(QPlainTextEdit.LineWrapMode.NoWrap)
     box.setMaximumHeight(120)
     return box
-
-
-def lan_addresses() -> list[str]:
-    """This computer's IPv4 addresses other computers on the network can reach (no loopback), best first."""
-    found: list[str] = []
-    try:  # the address of the interface a packet to the outside would leave by (nothing is sent)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            found.append(s.getsockname()[0])
-    except OSError:
-        pass
-    try:
-        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
-            found.append(info[4][0])
-    except OSError:
-        pass
-    return [a for a in dict.fromkeys(found) if not a.startswith("127.") and a != "0.0.0.0"]
 
 
 class ServerPanel(QWidget):
@@ -216,7 +199,7 @@ class ServerPanel(QWidget):
             self.url.setText(s.url)
             if not self.edited:  # never overwrite what the user is typing
                 self._show_running(s)
-            lan = lan_addresses() if s.host == LAN_HOST and s.serving else []
+            lan = api.lan_addresses() if s.host == LAN_HOST and s.serving else []
             self.lan_urls.setText("From other computers: " + "  ·  ".join(f"http://{a}:{s.port}/v1" for a in lan)
                                   if lan else "")
             self.lan_urls.setVisible(bool(lan))
@@ -226,7 +209,7 @@ class ServerPanel(QWidget):
                 f"context {stats.get('context_window') or '—'} tokens · mode {stats.get('mode')}")
         key = s.api_key if s is not None else None
         model = c.model_id or "model"
-        api_url = (s.url if s is not None and not c.remote else endpoint.api_url if endpoint else "")
+        api_url = (api.shared_url(s) if s is not None and not c.remote else endpoint.api_url if endpoint else "")
         if c.remote and endpoint is not None:
             key = endpoint.api_key
         self.curl.setPlainText(curl_example(api_url, model, key))

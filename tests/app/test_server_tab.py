@@ -79,7 +79,7 @@ def test_lan_access_at_the_same_port(served):
         pass  # the new listener answers on the same port
     ticks(1)
     assert panel.lan.isChecked() and panel.port.value() == port  # the form shows what runs now
-    from app.server.panel import lan_addresses
+    from app.client import lan_addresses
     if lan_addresses():  # a machine with a network interface: the addresses other computers use
         assert panel.lan_urls.isVisibleTo(window) and f":{port}/v1" in panel.lan_urls.text()
         assert lan_addresses()[0] in panel.lan_urls.text()
