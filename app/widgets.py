@@ -2,14 +2,18 @@
 
 ``guard_wheel``: spin boxes and combo boxes take the mouse wheel only while they have the keyboard focus, so scrolling
 a long form never edits the field under the pointer (the wheel then scrolls the form, as in a browser).
-``remember_size`` / ``restore_size``: a window's size kept in the app's state between runs.
+``remember_size`` / ``restore_size``: a window's size and position kept between runs, fitted to the screen.
+``FormScrollArea``: a scroll area that scrolls vertically only and is never narrower than its widget.
+``breakable``: text a word-wrapped label may break inside long names (paths, tensor names).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from PySide6.QtCore import QEvent, QObject, Qt
-from PySide6.QtWidgets import QAbstractSpinBox, QComboBox, QWidget
+from PySide6.QtCore import QEvent, QMargins, QObject, QPoint, QRect, QSize, Qt
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QAbstractSpinBox, QComboBox, QScrollArea, QWidget
 
 
 class _WheelGuard(QObject):
@@ -33,28 +37,83 @@ def guard_wheel(*widgets: QWidget) -> None:
                 w.installEventFilter(_GUARD)
 
 
+class FormScrollArea(QScrollArea):
+    """Scrolls its widget vertically only; its minimum width (which a splitter keeps) is the widget's minimum width
+    plus the vertical scroll bar, so no part of the widget hides beyond the right edge or under a scroll bar."""
+
+    def __init__(self, widget: QWidget, min_width: int = 0):
+        super().__init__()
+        self.floor = min_width
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.setWidget(widget)
+
+    def minimumSizeHint(self) -> QSize:  # noqa: N802 (Qt's name)
+        hint = super().minimumSizeHint()
+        widget = self.widget()
+        if widget is not None:
+            need = widget.minimumSizeHint().width() + self.verticalScrollBar().sizeHint().width() \
+                + 2 * self.frameWidth()
+            hint.setWidth(max(hint.width(), need, self.floor))
+        return hint
+
+    def eventFilter(self, obj: QObject, event: QEvent) -> bool:  # noqa: N802 (Qt's name)
+        if obj is self.widget() and event.type() == QEvent.Type.LayoutRequest:
+            self.updateGeometry()  # rows shown or hidden: the splitter asks the minimum width again
+        return super().eventFilter(obj, event)
+
+
+def breakable(text: str) -> str:
+    """``text`` with a break opportunity (a zero-width space) after each dot, underscore and slash, so a word-wrapped
+    label wraps a long tensor name or path instead of cutting it off."""
+    return re.sub(r"([._/\\])(?=\w)", "\\1\u200b", text)
+
+
+# The title bar and borders a window manager draws around a window: Qt knows them only once the window is shown.
+DECORATION = QMargins(4, 32, 4, 4)
+
+
+def _saved(config, group: str, key: str, positive: bool) -> tuple[int, int] | None:
+    value = (config.get(group) or {}).get(key) if config is not None else None
+    if isinstance(value, list) and len(value) == 2 and all(type(x) is int and (x > 0 or not positive) for x in value):
+        return value[0], value[1]
+    return None
+
+
 def restore_size(window: QWidget, config, key: str, default: tuple[int, int]) -> None:
-    """Resizes ``window`` to the size saved under ``key`` (or ``default``), within the screen."""
-    saved = (config.get("window_sizes") or {}).get(key) if config is not None else None
-    w, h = default
-    if isinstance(saved, list) and len(saved) == 2 and all(isinstance(x, int) and x > 0 for x in saved):
-        w, h = saved
-    screen = window.screen()
-    if screen is not None:
-        avail = screen.availableGeometry()
-        w, h = min(w, avail.width()), min(h, avail.height())
-    window.resize(max(w, window.minimumSizeHint().width(), 200), max(h, 200))
+    """Resizes ``window`` to the size saved under ``key`` (or ``default``) and moves it to the position saved with
+    it, within the available area of its screen (the screen less panels and docks) with room for the title bar:
+    a window saved partly off-screen, or bigger than this screen, comes back whole."""
+    w, h = _saved(config, "window_sizes", key, positive=True) or default
+    pos = _saved(config, "window_positions", key, positive=False)
+    w, h = max(w, window.minimumSizeHint().width(), 200), max(h, 200)
+    screen = QGuiApplication.screenAt(QRect(QPoint(*pos), QSize(w, h)).center()) if pos else None
+    screen = screen or window.screen()
+    if screen is None:
+        window.resize(w, h)
+        return
+    outer, inner = window.frameGeometry(), window.geometry()
+    margins = QMargins(inner.left() - outer.left(), inner.top() - outer.top(), outer.right() - inner.right(),
+                       outer.bottom() - inner.bottom())
+    margins = DECORATION if margins.isNull() else margins
+    room = screen.availableGeometry().marginsRemoved(margins)  # where the window's inside may go on this screen
+    window.resize(min(w, room.width()), min(h, room.height()))  # (never below the window's minimum size)
+    if pos is not None:
+        x = max(room.left(), min(pos[0] + margins.left(), room.right() + 1 - window.width()))
+        y = max(room.top(), min(pos[1] + margins.top(), room.bottom() + 1 - window.height()))
+        window.move(x - margins.left(), y - margins.top())
 
 
 def remember_size(window: QWidget, config, key: str) -> None:
-    """Saves ``window``'s size under ``key`` (called when it is hidden or closed)."""
+    """Saves ``window``'s size and position under ``key`` (called when it is hidden or closed)."""
     if config is None or window.isMaximized() or window.isFullScreen():
         return
-    sizes = dict(config.get("window_sizes") or {})
-    size = [window.width(), window.height()]
-    if sizes.get(key) != size:
-        sizes[key] = size
-        config.set("window_sizes", sizes)
+    for group, value in (("window_sizes", [window.width(), window.height()]),
+                         ("window_positions", [window.x(), window.y()])):
+        saved = dict(config.get(group) or {})
+        if saved.get(key) != value:
+            saved[key] = value
+            config.set(group, saved)
 
 
 def last_folder(config, key: str) -> Path:

@@ -88,11 +88,20 @@ class Engine:
             self._thread.start()
         return self
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Stops the engine thread: what runs or waits ends with finish reason "abort" (a prompt chunk in progress
+        leaves its step at the next layer), then waits up to ``timeout`` s for the thread to end. False when it is
+        still running then (it ends after its step)."""
+        self._abort_requested.update(list(self._streams))  # seen by a step in progress (Engine._abort_check)
         self._commands.put(("stop", None))
-        if self._thread is not None:
-            self._thread.join(timeout)
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("the engine thread did not stop within %.0f s (it is inside a step)", timeout)
+                return False
             self._thread = None
+        return True
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
                loop=None) -> RequestStream:

@@ -85,6 +85,13 @@ class ModelRunner:
         log.warning("--cpu-compile step: decode steps are not compiled (%s); they run eagerly: %s.", why, fix)
         return None
 
+    def release(self) -> None:
+        """Once its engine has stopped: drops what process-wide caches keep of this runner (the compiled decode
+        step), so the model and its pools go with the last reference to them."""
+        if self.graphs is not None and self.graphs.compiled is not None:
+            self.graphs.compiled.release()
+            self.graphs.compiled = None
+
     def run(self, works: list[Work]) -> list[torch.Tensor | None]:
         """Each work's logits rows (None: none asked, or it was interrupted: a work whose `aborted` says so between
         two layers of a general forward leaves the step; self.interrupted lists them afterwards)."""

@@ -36,6 +36,24 @@ class PortInUseError(NInferError):
                          "or stop the other program.")
 
 
+def free_memory() -> None:
+    """Hands back what a stopped engine held, once nothing refers to it: its reference cycles collected, CUDA's cached
+    blocks (on the GPU and pinned in host memory) released when CUDA is up, the heap glibc keeps trimmed."""
+    import gc
+
+    import torch
+
+    from engine.hardware import return_freed_memory
+
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        torch.accelerator.empty_host_cache()
+    freed = return_freed_memory()
+    if freed >= 16 * 2**20:
+        log.info("memory: %.0f MiB the stopped engine held handed back to the OS", freed / 2**20)
+
+
 def connect_host(host: str) -> str:
     """The address a client on this computer uses to reach a server bound to ``host``."""
     h = host.strip().strip("[]")
@@ -182,22 +200,27 @@ class LocalService:
         return self.ready.is_set()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stops the API server (open streams get up to 5 s) and the engine; cancels a load in progress.
-        Safe to call twice and from any thread but the server's own."""
+        """Stops the engine (requests in flight end at once, finish reason "abort"), then the API server (their
+        streams end with it) and cancels a load in progress; each thread is waited for up to ``timeout`` s. The
+        engine's memory goes back to the OS (``free_memory``). Safe to call twice and from any thread but the
+        server's own."""
         with self._lock:
             self._cancel.set()
+            loaded, self.state.loaded = self.state.loaded, None  # new requests get 503 from here on
+            if loaded is not None:
+                self.state.metrics.detach()
+                loaded.engine.shutdown(timeout)
+                loaded.engine.runner.release()
             self._stop_server(timeout)
             if self._load_thread is not None:
                 self._load_thread.join(timeout)
                 self._load_thread = None
-            loaded, self.state.loaded = self.state.loaded, None
-            if loaded is not None:
-                self.state.metrics.detach()
-                loaded.engine.shutdown(timeout)
             self.ready.clear()
             if self.status in (LOADING, READY):
                 self.status = STOPPED
             self.message = "stopped"
+            del loaded
+            free_memory()
             log.info("service stopped")
 
     def restart_server(self, *, host: str | None = None, port: int | None = None,
@@ -256,6 +279,8 @@ class LocalService:
             self.started_at = time.monotonic()
             log.info("switching the model to %s", path)
             self._unload(old, drain_s)
+            del old
+            free_memory()  # before the next model loads
             self.settings, self.model_path = settings, path
             self.state.apply_settings(settings)
             self.state.model_ids = served_model_ids(settings, path)
@@ -274,6 +299,7 @@ class LocalService:
             time.sleep(0.05)
         self.state.metrics.detach()
         loaded.engine.shutdown(10.0)  # what still runs ends with finish reason "abort"
+        loaded.engine.runner.release()
 
     # ---- internals ------------------------------------------------------------------------------------------
     def _start_server(self, sock: socket.socket | None = None) -> None:

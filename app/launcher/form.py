@@ -181,6 +181,7 @@ class SettingsForm(QWidget):
                 form = QFormLayout(box)
                 form.setLabelAlignment(Qt.AlignmentFlag.AlignRight)
                 form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+                form.setRowWrapPolicy(QFormLayout.RowWrapPolicy.WrapLongRows)
                 layout.addWidget(box)
             form = box.layout()
             editor = SettingEditor(s)

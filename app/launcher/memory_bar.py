@@ -90,6 +90,7 @@ class MemoryBar(QWidget):
         for _ in range(2):
             title, bar, legend = QLabel(), StackedBar(), QLabel()
             title.setTextFormat(Qt.TextFormat.RichText)
+            title.setWordWrap(True)  # "VRAM (GPU memory: ... free) ... over" must not widen the checks panel
             legend.setTextFormat(Qt.TextFormat.RichText)
             legend.setWordWrap(True)
             for w in (title, bar, legend):

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtWidgets import (QComboBox, QDialog, QFileDialog, QFormLayout, QHBoxLayout, QLabel, QProgressBar,
-                               QPushButton, QScrollArea, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
+                               QPushButton, QSizePolicy, QSplitter, QVBoxLayout, QWidget)
 
 from app import theme
 from app.asyncutil import spawn
@@ -27,7 +27,7 @@ from app.server.remote_dialog import RemoteDialog
 from app.launcher.form import SettingsForm
 from app.launcher.settings import Preset, baseline, changed_values, find_preset
 from app.launcher.validation import Check, Validation, model_check, validate
-from app.widgets import guard_wheel, remember_size, restore_size
+from app.widgets import FormScrollArea, breakable, guard_wheel, remember_size, restore_size
 from app.launcher.wording import EMBEDDED_NAME
 
 EMBEDDED_LABEL = f"Embedded: {EMBEDDED_NAME} (Q4_1, runs anywhere)"
@@ -145,11 +145,7 @@ class LauncherWindow(PresetsMixin, QWidget):
         split = QSplitter(Qt.Orientation.Horizontal)
         self.form = SettingsForm()
         self.form.changed.connect(self.schedule)
-        scroll = QScrollArea()
-        scroll.setWidgetResizable(True)
-        scroll.setWidget(self.form)
-        scroll.setMinimumWidth(300)
-        split.addWidget(scroll)
+        split.addWidget(FormScrollArea(self.form, min_width=300))
 
         self.checks = ChecksPanel()
         self.memory_bar = self.checks.memory_bar
@@ -158,6 +154,7 @@ class LauncherWindow(PresetsMixin, QWidget):
         split.addWidget(self.checks)
         split.setStretchFactor(0, 5)
         split.setStretchFactor(1, 4)
+        split.setChildrenCollapsible(False)  # dragged to its end, a pane stops at its minimum width
         outer.addWidget(split, 1)
 
         bottom = QHBoxLayout()
@@ -392,14 +389,17 @@ class LauncherWindow(PresetsMixin, QWidget):
         if fraction < WARMUP_AT:
             self.progress.setRange(0, 1000)
             self.progress.setValue(int(fraction * 1000))
-            self.status.setText(f"Loading the weights… {fraction:.0%}" + (f"  ({message})" if message else ""))
+            note = f"  ({breakable(message)})" if message else ""  # a long tensor name wraps, never cut off
+            self.status.setText(f"Loading the weights… {fraction:.0%}{note}")
             return
         # the weights are in; the engine builds its KV pools, warms up and compiles before it answers
         if self.warmup_started is None:
             self.warmup_started = time.monotonic()
         self.progress.setRange(0, 0)  # busy: the engine reports no fraction for this part
         seconds = time.monotonic() - self.warmup_started
-        self.status.setText(f"Weights loaded. Warming up: building the KV cache pools and compiling… {seconds:.0f} s")
+        phase = message.removeprefix("warm-up: ") if message.startswith("warm-up: ") else \
+            "building the KV cache pools and compiling"  # (the engine's phases: engine/build.py's WARMUP messages)
+        self.status.setText(f"Weights loaded. Warming up: {phase}… {seconds:.0f} s")
 
     def loading_finished(self, ok: bool, error: str = "") -> None:
         self.set_loading(False)

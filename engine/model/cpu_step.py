@@ -87,6 +87,17 @@ class CompiledStep:
                  time.perf_counter() - t0)
         return None
 
+    def release(self) -> None:
+        """Forgets the compiled graph. Dynamo would keep it for the life of the process, in the cache on the model
+        class's final_hidden code and in its table of backends (this step's bound method), and with it this runner,
+        its pools and the model. (Another model of the class compiled meanwhile recompiles on its next step.)"""
+        self._fn = None
+        torch._dynamo.reset_code(type(self.model).final_hidden.__code__)
+        backends = torch._dynamo.eval_frame.cached_backends
+        for key, backend in list(backends.items()):
+            if getattr(getattr(backend, "compiler_fn", None), "__self__", None) is self:
+                del backends[key]
+
     def _hidden(self, token: int, position: int, first_slot: int, state_slot: int | None) -> torch.Tensor:
         dev = self.runner.device
         slots = None if state_slot is None else torch.tensor([state_slot], device=dev)

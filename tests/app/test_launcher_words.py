@@ -7,7 +7,7 @@ import pytest
 from PySide6.QtCore import QPoint, QPointF, Qt
 from PySide6.QtGui import QWheelEvent
 from PySide6.QtTest import QTest
-from PySide6.QtWidgets import QApplication, QFileDialog
+from PySide6.QtWidgets import QApplication, QFileDialog, QSplitter
 
 from tests.app.conftest import Recorder, clipped, make_controller, wait_until
 
@@ -156,6 +156,58 @@ def test_the_launcher_fits_800x600(qapp, qloop, app_home, tmp_path):
         w.resize(800, 600)
         wait_until(lambda: w.width() == 800 and w.height() == 600, 3000)
         assert w.minimumSizeHint().width() <= 800 and w.minimumSizeHint().height() <= 600
+        assert not clipped(w), clipped(w)
+    finally:
+        w.hide()
+
+
+def drag(handle, dx: int) -> None:
+    """Drags a splitter handle ``dx`` pixels, as a user does with the mouse."""
+    from PySide6.QtCore import QEvent
+    from PySide6.QtGui import QMouseEvent
+    start = QPointF(handle.width() / 2, handle.height() / 2)
+    for kind, at, buttons in ((QEvent.Type.MouseButtonPress, start, Qt.MouseButton.LeftButton),
+                              (QEvent.Type.MouseMove, start + QPointF(dx, 0), Qt.MouseButton.LeftButton),
+                              (QEvent.Type.MouseButtonRelease, start + QPointF(dx, 0), Qt.MouseButton.NoButton)):
+        QApplication.sendEvent(handle, QMouseEvent(kind, at, handle.mapToGlobal(at), Qt.MouseButton.LeftButton,
+                                                   buttons, Qt.KeyboardModifier.NoModifier))
+
+
+def test_at_800x600_every_setting_shows_without_a_horizontal_scroll_bar(qapp, qloop, app_home):
+    """#39 item 14: with every setting shown, the form was wider than its scroll area beside the memory ledger (a
+    horizontal scroll bar, the reset buttons beyond the viewport), and a long tensor name cut the loading line."""
+    controller = make_controller(app_home, "all-settings")
+    controller.start_local = Recorder()  # (Start hands the settings over; nothing loads)
+    w = controller.launcher
+    try:
+        w.show()
+        w.resize(800, 600)
+        wait_until(lambda: w.report is not None and None in w.model_infos and w.memory_bar.estimate is not None,
+                   TIMEOUT)
+        box = w.form.show_all  # "Show all settings": clicked on its box
+        QTest.mouseClick(box, Qt.MouseButton.LeftButton, Qt.KeyboardModifier.NoModifier, QPoint(8, box.height() // 2))
+        assert w.form.show_all.isChecked()
+        split = w.findChild(QSplitter)
+        scroll = split.widget(0)  # the settings' scroll area, left of the checks
+        wide = scroll.width()
+        drag(split.handle(1), -400)  # the user makes the settings as narrow as the splitter lets them
+        for _ in range(5):
+            QApplication.processEvents()
+        viewport = scroll.viewport()
+        assert (w.width(), w.height()) == (800, 600) and 0 < scroll.width() < wide
+        bar = scroll.horizontalScrollBar()
+        assert not bar.isVisible() and bar.maximum() == 0, (scroll.width(), w.form.minimumSizeHint().width())
+        shown = [e for e in w.form.editors.values() if e.isVisibleTo(w)]
+        assert len(shown) == len(w.form.editors)
+        for editor in shown:  # each reset button lies within the viewport's width (scrolling down reaches it)
+            left = editor.reset.mapTo(viewport, editor.reset.rect().topLeft()).x()
+            assert 0 <= left and left + editor.reset.width() <= viewport.width(), editor.setting.name
+        QTest.mouseClick(w.start_button, Qt.MouseButton.LeftButton)
+        assert w.loading
+        w.loading_progress(0.4, "loading model.language_model.layers.29.linear_attn.in_proj_qkvz.weight")
+        for _ in range(5):
+            QApplication.processEvents()
+        assert w.status.wordWrap() and w.status.sizeHint().width() <= w.status.width(), w.status.text()
         assert not clipped(w), clipped(w)
     finally:
         w.hide()

@@ -186,3 +186,37 @@ def test_a_switch_to_a_model_that_fails_to_load_serves_the_old_one_again(tmp_pat
         assert httpx.post(service.url + "/chat/completions", json=chat, timeout=120).status_code == 200
     finally:
         service.stop()
+
+
+def test_stop_mid_answer_ends_the_answer_and_frees_the_model():
+    """#39 items 4 and 10: Stop (the tray's, or Change model's) while an answer streams ends that answer at once, and
+    the engine's model, pools and compiled step go with it: nothing the process keeps (the compiled decode step's
+    cache entries) holds them, so their memory returns instead of counting as "other programs" at the next start."""
+    import gc
+    import weakref
+
+    port = free_port()
+    service = LocalService(settings_from_mapping({"port": port, "max_context": 512, "device": "cpu"}, "app")).start()
+    stopped = False
+    try:
+        assert service.wait_ready(240), service.load_error
+        engine = service.state.loaded.engine
+        model, runner = weakref.ref(engine.runner.model), weakref.ref(engine.runner)
+        thread = engine._thread
+        chat = {"model": service.model_ids[0], "messages": [{"role": "user", "content": "Count to a thousand."}],
+                "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+        in_flight = _stream_in_background(service.url, chat)
+        assert in_flight["started"].wait(60), in_flight
+        del engine
+        service.stop()
+        stopped = True
+        assert not thread.is_alive()  # the engine thread ended within stop()
+        in_flight["thread"].join(30)
+        assert not in_flight["thread"].is_alive()
+        tokens = sum(1 for e in in_flight["events"] for ch in e.get("choices", []) if ch.get("delta", {}).get("content"))
+        assert 0 < tokens < 400, tokens  # the answer was cut, not run to its end
+        gc.collect()
+        assert runner() is None and model() is None, gc.get_referrers(model())[:3] if model() else None
+    finally:
+        if not stopped:
+            service.stop()

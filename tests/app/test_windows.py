@@ -65,3 +65,59 @@ def test_the_monitor_without_a_gpu_shows_ram_and_cpu(serving):
         assert panel.plot_kv.plotItem.legend is None and panel.plot_kv.getViewBox().viewRange()[1][0] < 0
     finally:
         panel.close()
+
+
+def open_main(app_home, name: str):
+    """The main window as the app opens it once the engine serves (a stand-in service and client)."""
+    controller = make_controller(app_home, name)
+    controller.service = FakeService()
+    controller.client, controller.model_id = FakeClient({"mode": "chat", "sampling": {}}), "smollm2-135m-instruct"
+    controller.show_main()
+    return controller, controller.window
+
+
+def test_the_main_window_and_a_saved_position_fit_a_1280x800_screen(qapp, qloop, app_home, monkeypatch):
+    """#39 item 5: the default 1180 x 800 was taller than a 1280 x 800 screen's free area (its status bar below the
+    screen's edge), and a position saved partly off-screen opened there."""
+    from PySide6.QtCore import QRect
+    from PySide6.QtGui import QScreen
+
+    from app.widgets import DECORATION
+
+    avail = QRect(0, 0, 1280, 770)  # a 1280 x 800 screen less a 30-pixel panel
+    monkeypatch.setattr(QScreen, "availableGeometry", lambda self: QRect(avail))
+
+    def fits(window) -> bool:  # the window with its frame and its status bar on the free area, room for a title bar
+        status = window.statusBar()
+        room = window.size().grownBy(DECORATION)
+        bottom = status.mapToGlobal(status.rect().bottomLeft())
+        return (avail.contains(window.frameGeometry()) and avail.contains(bottom)
+                and room.width() <= avail.width() and room.height() <= avail.height())
+
+    opened = []
+    try:
+        controller, window = open_main(app_home, "fit-1280")
+        opened.append(controller)
+        assert fits(window), window.geometry()
+        assert window.width() >= 1100  # the default's width, as far as the screen has room
+        window.resize(900, 650)
+        window.move(700, 400)  # the user drags it half off the right and bottom edges ...
+        window.close()  # ... and closes it to the tray
+        assert not window.isVisible() and controller.service.serving
+        controller.service.stop()
+        again, reopened = open_main(app_home, "fit-1280")  # the next start
+        opened.append(again)
+        assert (reopened.width(), reopened.height()) == (900, 650)  # the size it was left at ...
+        assert fits(reopened), reopened.geometry()  # ... moved whole onto the screen
+        assert reopened.x() < 700 and reopened.y() < 400
+        reopened.move(120, 60)  # a position on the screen comes back as it was
+        reopened.close()
+        again.service.stop()
+        third, window = open_main(app_home, "fit-1280")
+        opened.append(third)
+        assert (window.x(), window.y()) == (120, 60) and fits(window)
+    finally:
+        for c in opened:
+            c.quitting, c.client = True, None
+            c.window.hide()
+            c.service.stop()
