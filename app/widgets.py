@@ -5,6 +5,7 @@ a long form never edits the field under the pointer (the wheel then scrolls the 
 ``remember_size`` / ``restore_size``: a window's size and position kept between runs, fitted to the screen.
 ``FormScrollArea``: a scroll area that scrolls vertically only and is never narrower than its widget.
 ``breakable``: text a word-wrapped label may break inside long names (paths, tensor names).
+``NamedRowsTable``: a table whose first column (a name) takes the room the others leave, never less than a minimum.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QEvent, QMargins, QObject, QPoint, QRect, QSize, Qt
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import QAbstractSpinBox, QComboBox, QScrollArea, QWidget
+from PySide6.QtWidgets import QAbstractSpinBox, QComboBox, QHeaderView, QScrollArea, QTableWidget, QWidget
 
 
 class _WheelGuard(QObject):
@@ -61,6 +62,29 @@ class FormScrollArea(QScrollArea):
         if obj is self.widget() and event.type() == QEvent.Type.LayoutRequest:
             self.updateGeometry()  # rows shown or hidden: the splitter asks the minimum width again
         return super().eventFilter(obj, event)
+
+
+class NamedRowsTable(QTableWidget):
+    """The first column gets the width the other columns (sized to their contents) leave, but at least
+    ``name_width`` pixels: on a narrow window the table scrolls sideways instead of cutting every name to a letter."""
+
+    def __init__(self, columns: tuple[str, ...], name_width: int = 220):
+        super().__init__(0, len(columns))
+        self.name_width = name_width
+        self.setHorizontalHeaderLabels(columns)
+        header = self.horizontalHeader()
+        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Interactive)
+        for c in range(1, len(columns)):
+            header.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
+        header.sectionResized.connect(lambda index, *_: index and self.fit_name())
+
+    def fit_name(self) -> None:
+        others = sum(self.columnWidth(c) for c in range(1, self.columnCount()))
+        self.setColumnWidth(0, max(self.name_width, self.viewport().width() - others))
+
+    def resizeEvent(self, event) -> None:  # noqa: N802 (Qt's name)
+        super().resizeEvent(event)
+        self.fit_name()
 
 
 def breakable(text: str) -> str:

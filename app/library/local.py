@@ -10,8 +10,8 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QHeaderView, QLabel, QMessageBox,
-                               QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QHBoxLayout, QLabel, QMessageBox, QPushButton,
+                               QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine.library.fit import FitMark
 from engine.library.hub import LibraryError
@@ -22,6 +22,7 @@ from app import theme
 from app.asyncutil import spawn
 from app.library import marks
 from app.library.rows import MARK_COLOURS, context_text, last_used_text, params_text, size_text
+from app.widgets import NamedRowsTable
 
 COLUMNS = ("Model", "From", "Architecture", "Parameters", "Quant", "Context", "Size", "Last used",
            "Fit on this computer")
@@ -47,16 +48,13 @@ class LocalPanel(QWidget):
         # asks before deleting a download from disk; replaced in tests
         self.confirm_remove = self._confirm_remove
         outer = QVBoxLayout(self)
-        self.table = QTableWidget(0, len(COLUMNS))
-        self.table.setHorizontalHeaderLabels(COLUMNS)
+        self.table = NamedRowsTable(COLUMNS)
         self.table.setSelectionBehavior(QAbstractItemView.SelectionBehavior.SelectRows)
         self.table.setSelectionMode(QAbstractItemView.SelectionMode.SingleSelection)
         self.table.setEditTriggers(QAbstractItemView.EditTrigger.NoEditTriggers)
         self.table.verticalHeader().setVisible(False)
-        header = self.table.horizontalHeader()
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for c in range(1, len(COLUMNS)):
-            header.setSectionResizeMode(c, QHeaderView.ResizeMode.ResizeToContents)
+        self.table.setWordWrap(False)  # (a wrapped name is cut at its line's end whatever the elide mode)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # a cut name keeps its quant and "● loaded"
         self.table.itemSelectionChanged.connect(self._picked)
         self.table.doubleClicked.connect(lambda *_: self.load())
         outer.addWidget(self.table, 1)

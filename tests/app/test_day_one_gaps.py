@@ -8,8 +8,9 @@ import sqlite3
 
 import pytest
 from PySide6.QtCore import Qt, QUrl
+from PySide6.QtGui import QFontMetrics
 from PySide6.QtTest import QTest
-from PySide6.QtWidgets import QPushButton
+from PySide6.QtWidgets import QApplication, QPushButton, QStyle
 
 from tests.app.conftest import make_controller, run, wait_until
 from tests.app.fakes import FakeClient, FakeService
@@ -187,6 +188,18 @@ def test_on_this_computer_marks_each_model_and_badges_the_loaded_one(library):
     assert mark.text() == "fits", mark.toolTip()
     assert "8,192 tokens" in mark.toolTip() and "no GPU and 16,000 MiB RAM available" in mark.toolTip()
     assert name.text() == f"{EMBEDDED_NAME}  ● loaded" and name.font().bold()
+    window = controller.library  # a narrow library window: the name is cut, the badge still shows
+    window.show()
+    window.resize(860, 640)
+    QApplication.processEvents()
+    table = local.table
+    room = table.columnWidth(0) - 2 * table.style().pixelMetric(QStyle.PixelMetric.PM_FocusFrameHMargin) - 8
+    assert not table.wordWrap()  # (a wrapped cell is cut at its line's end whatever the elide mode)
+    drawn = QFontMetrics(name.font()).elidedText(name.text(), table.textElideMode(), room)
+    assert drawn.endswith(" loaded"), (drawn, room)  # (cut in the middle: "SmolLM2… loaded")
+    window.resize(600, 500)  # narrower than the other columns need: the names keep their width, the table scrolls
+    QApplication.processEvents()
+    assert table.columnWidth(0) >= 220 and table.horizontalScrollBar().maximum() > 0
     controller.service.model_path = Path("another-model.gguf")  # the server runs another model now
     controller.state_changed.emit()
     assert name.text() == EMBEDDED_NAME and not name.font().bold()
