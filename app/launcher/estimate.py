@@ -223,11 +223,26 @@ def estimate(info: ModelInfo, settings: Any, report: Any) -> MemoryEstimate:
     ram_total, ram_free = report.ram_total_mib, report.ram_available_mib
     try:
         shape = info.shape.on_device(gpu is not None, settings.weight_dtype)  # a hybrid's conv window dtype
-        ledger = build_ledger(shape, settings, vram_mib=int(vram_free), ram_mib=int(ram_free))
+        ledger, placed = placed_ledger(shape, settings, gpu is not None, int(vram_free), int(ram_free))
     except NInferError as e:  # e.g. a draft model that cannot be read
         raise ValueError(f"{e.problem} {e.remedy}".strip()) from None
     capacity = {"host": int(ram_total) * MIB}
     if gpu is not None:
         capacity["gpu"] = int(vram_total) * MIB
     problems = [(p.level, p.message, p.remedy) for p in ledger.check()]
-    return MemoryEstimate(ledger, "cuda" if gpu is not None else "cpu", capacity, problems, list(ledger.notes))
+    notes = list(ledger.notes) + ([f"Fit (MoE experts placed as the engine will place them): {placed}"]
+                                  if placed else [])
+    return MemoryEstimate(ledger, "cuda" if gpu is not None else "cpu", capacity, problems, notes)
+
+
+def placed_ledger(shape: ModelShape, settings: Any, on_gpu: bool, vram_mib: int, ram_mib: int) -> tuple[Ledger, str]:
+    """The ledger of the model as the engine will load it, and what --fit chose ("" when it chose nothing): on a GPU,
+    with --fit and neither --cpu-moe nor --n-cpu-moe, a MoE model's experts and KV dtype are placed by the same plan
+    the engine's load runs (engine/ledger/placement.py), so the bars show that plan, not everything on the GPU."""
+    from engine.ledger.placement import fit_experts
+
+    asked = getattr(settings, "cpu_moe", False) or getattr(settings, "n_cpu_moe", 0)
+    if not (on_gpu and shape.moe_layers and getattr(settings, "fit", False) and not asked):
+        return build_ledger(shape, settings, vram_mib=vram_mib, ram_mib=ram_mib), ""
+    plan = fit_experts(shape, settings, vram_mib=vram_mib, ram_mib=ram_mib)
+    return plan.ledger, plan.why

@@ -187,3 +187,33 @@ def test_the_settings_say_what_they_do_on_the_cpu_and_on_a_dense_model(moe, capl
     caplog.clear()
     assert experts_on_host(dense, torch.device("cuda"), EngineConfig(cpu_moe=True), moe[1]) == (0, "auto")
     assert "--cpu-moe has no effect" in caplog.text and "no mixture-of-experts layers" in caplog.text
+
+
+def test_the_launchers_plan_is_the_fit_the_engine_loads(big):
+    """#34: the launcher's memory bars and checks (app/launcher/estimate.py, Qt-free) show what --fit places, with
+    its reason, not every expert on a GPU too small for them; --n-cpu-moe set by hand is planned as asked."""
+    from types import SimpleNamespace
+
+    from app.launcher.estimate import estimate
+    from engine.config.loading import load_settings
+    from engine.hardware import GpuInfo, HardwareReport
+
+    gpu = GpuInfo(0, "NVIDIA GeForce RTX 4070", (8, 9), "sm_89", 12282, 12000)
+    report = HardwareReport(torch_version="2.13.0", cuda_version="12.8", arch_list=[], gpus=[gpu], nvml="ok",
+                            ram_total_mib=65536, ram_available_mib=60000, cpu_count=8, cpu_name="Test CPU",
+                            verdicts=[], device="cuda:0")
+    info = SimpleNamespace(shape=big)
+    settings, _ = load_settings(["--weight-dtype", "int4", "--max-concurrency", "1"], {})
+    shown = estimate(info, settings, report)
+    plan = fit_experts(big, settings, vram_mib=12000, ram_mib=60000)
+    assert plan.host_layers and shown.fits, shown.problems
+    assert shown.ledger.line("host_experts").bytes == big.expert_bytes("int4", plan.host_layers)
+    assert shown.kv_dtype == plan.kv_dtype and shown.context == plan.context
+    assert any(plan.why in note and f"{plan.host_layers} of 40 MoE layers" in note for note in shown.notes)
+    no_fit, _ = load_settings(["--weight-dtype", "int4", "--max-concurrency", "1", "--no-fit"], {})
+    everything = estimate(info, no_fit, report)  # what the launcher showed before
+    assert not everything.fits and everything.ledger.line("host_experts") is None
+    by_hand, _ = load_settings(["--weight-dtype", "int4", "--max-concurrency", "1", "--n-cpu-moe", "2"], {})
+    asked = estimate(info, by_hand, report)
+    assert asked.ledger.line("host_experts").bytes == big.expert_bytes("int4", 2)
+    assert not any("Fit (" in note for note in asked.notes)
