@@ -388,6 +388,7 @@ class Controller(LibraryMixin, BackendMixin, QObject):
         self.stop_views()
         if self.window is not None:
             self.window.chat.stop()
+            await asyncio.to_thread(self.window.chat.tools.close)  # the MCP sessions and their subprocesses
             self.window.close()
         self.launcher.close()
         if self.library is not None:

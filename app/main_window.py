@@ -82,6 +82,7 @@ class MainWindow(QMainWindow):
         self.export_action = file.addAction("Export conversation…", lambda: self.export_conversation())
         file.addSeparator()
         file.addAction("Model library…", c.show_library)
+        file.addAction("MCP servers…", lambda: self.chat.edit_servers())
         file.addAction("Change model or settings…", lambda: spawn(c.back_to_launcher()))
         file.addSeparator()
         quit_action = file.addAction("Quit", lambda: spawn(c.quit()))

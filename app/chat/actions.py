@@ -85,6 +85,6 @@ class TranscriptActions:
             self.edit(i)
         elif action == "regen":
             self.regenerate()
-        elif action == "reasoning" and 0 <= i < len(self.messages):
+        elif action in ("reasoning", "result") and 0 <= i < len(self.messages):  # shown or hidden
             self.expanded ^= {self.messages[i].id}
             self.render()

@@ -1,5 +1,6 @@
 """Conversations to and from files (Qt-free): Markdown to read or share, JSON to import again (title, system prompt,
-the conversation's settings and every message with its numbers and the model that wrote it)."""
+the conversation's settings and every message with its numbers and the model that wrote it; tool calls and MCP
+tool results included)."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,11 @@ def to_markdown(conv: Conversation, messages: list[Message]) -> str:
     if conv.system_prompt.strip():
         out += ["**System prompt:**", "", conv.system_prompt.strip(), ""]
     for m in messages:
-        who = {"user": "You", "assistant": "Assistant", "tool": "Tool", "system": "System"}.get(m.role, m.role)
+        if m.role == "tool":  # an MCP tool's result
+            failed = " (failed)" if m.stats.get("failed") else ""
+            out += [f"## Tool result `{m.stats.get('tool') or '?'}`{failed}", "", "```", m.content.rstrip(), "```", ""]
+            continue
+        who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
         out += [f"## {who}", ""]
         if m.content:
             out += [m.content.rstrip(), ""]
@@ -29,7 +34,7 @@ def to_markdown(conv: Conversation, messages: list[Message]) -> str:
 def to_json(conv: Conversation, messages: list[Message]) -> str:
     return json.dumps({
         "format": FORMAT, "version": VERSION, "title": conv.title, "system_prompt": conv.system_prompt,
-        "options": conv.options,
+        "options": conv.options, **({"tools": conv.tools} if conv.tools else {}),
         "messages": [{"role": m.role, "content": m.content, "reasoning": m.reasoning, "tool_calls": m.tool_calls,
                       "stats": m.stats, **({"model": m.model} if m.model else {})} for m in messages]},
         indent=2, ensure_ascii=False) + "\n"
@@ -63,8 +68,11 @@ def from_json(text: str) -> tuple[str, str, dict[str, Any], list[Message]]:
         if m["role"] == "system" and not system:
             system = content
             continue
+        stats = dict(m.get("stats") or {})
+        if m["role"] == "tool" and m.get("tool_call_id"):  # OpenAI-style: the call it answers
+            stats.setdefault("tool_call_id", str(m["tool_call_id"]))
         messages.append(Message(m["role"], content, str(m.get("reasoning") or ""), list(m.get("tool_calls") or []),
-                                dict(m.get("stats") or {}), model=str(m.get("model") or "")))
+                                stats, model=str(m.get("model") or "")))
     title = str(data.get("title") or next((m.content.splitlines()[0][:48] for m in messages
                                            if m.role == "user" and m.content.strip()), "Imported chat"))
     options = data.get("options") if isinstance(data.get("options"), dict) else {}

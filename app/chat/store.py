@@ -3,7 +3,9 @@
 A conversation has a title, a system prompt, its own sampling options (temperature, top-p, top-k, max tokens; unset
 ones follow the server's mode) and ordered messages; a message keeps its role, content, reasoning, tool
 calls, the numbers measured while it streamed (tokens, TTFT, tok/s) and, for an answer, the id of the model that
-wrote it ("" in a database from before models were recorded). Writes commit at once, so a crash loses at most the
+wrote it ("" in a database from before models were recorded). A ``tool`` message is an MCP tool's result; its stats
+name the call it answers (``tool_call_id``), the tool and whether it failed. A conversation also keeps which MCP
+servers' tools it offers the model. Writes commit at once, so a crash loses at most the
 message being streamed.
 """
 from __future__ import annotations
@@ -56,6 +58,8 @@ class Message:
         d: dict[str, Any] = {"role": self.role, "content": self.content}
         if self.tool_calls:
             d["tool_calls"] = self.tool_calls
+        if self.role == "tool":  # an MCP tool's result (app/chat/tools.py): which call it answers
+            d["tool_call_id"] = self.stats.get("tool_call_id", "")
         return d
 
 
@@ -67,6 +71,7 @@ class Conversation:
     created: float = 0.0
     updated: float = 0.0
     options: dict[str, Any] = field(default_factory=dict)  # temperature, top_p, top_k, max_tokens
+    tools: list[str] = field(default_factory=list)  # the MCP servers whose tools the model is offered
 
 
 class ConversationStore:
@@ -79,6 +84,7 @@ class ConversationStore:
         self.db.executescript(SCHEMA)
         self._add_column("conversations", "options", "TEXT NOT NULL DEFAULT '{}'")  # databases from earlier versions
         self._add_column("messages", "model", "TEXT NOT NULL DEFAULT ''")
+        self._add_column("conversations", "tools", "TEXT NOT NULL DEFAULT '[]'")
         self.db.commit()
 
     def _add_column(self, table: str, column: str, kind: str) -> None:
@@ -101,8 +107,13 @@ class ConversationStore:
             options = json.loads(row["options"] or "{}")
         except ValueError:
             options = {}
+        try:
+            tools = json.loads(row["tools"] or "[]")
+        except ValueError:
+            tools = []
         return Conversation(row["id"], row["title"], row["system_prompt"], row["created"], row["updated"],
-                            options if isinstance(options, dict) else {})
+                            options if isinstance(options, dict) else {},
+                            [t for t in tools if isinstance(t, str)] if isinstance(tools, list) else [])
 
     def get(self, conversation_id: int) -> Conversation | None:
         row = self.db.execute("SELECT * FROM conversations WHERE id=?", (conversation_id,)).fetchone()
@@ -132,6 +143,10 @@ class ConversationStore:
     def set_options(self, conversation_id: int, options: dict[str, Any]) -> None:
         self.db.execute("UPDATE conversations SET options=? WHERE id=?",
                         (json.dumps({k: v for k, v in options.items() if v is not None}), conversation_id))
+        self.db.commit()
+
+    def set_tools(self, conversation_id: int, servers: list[str]) -> None:
+        self.db.execute("UPDATE conversations SET tools=? WHERE id=?", (json.dumps(list(servers)), conversation_id))
         self.db.commit()
 
     def delete(self, conversation_id: int) -> None:

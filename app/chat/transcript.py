@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 
 from app.chat import render, versions
+from app.chat.tool_render import tool_notice_html, tool_result_html
 from app.chat.store import Message
 
 
@@ -73,6 +74,8 @@ def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming
     ``expanded``), tool calls, the text and its actions (links the chat view handles: ninfer:copy/N, copycode/N/B,
     edit/N, regen/N, reasoning/N, version/N/K). ``copied``: None when the message was just copied, B when its code
     block B was, else -1."""
+    if m.role == "tool":
+        return tool_result_html(i, m, t, expanded)
     link = f'style="color:{t["accent"]};text-decoration:none"'
     copy = (f'<span style="color:{t["muted"]}">Copied ✓</span>' if copied is None
             else f'<a href="ninfer:copy/{i}" {link}>Copy</a>')
@@ -102,6 +105,8 @@ def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming
         body.append(f'<p style="color:{t["muted"]};font-size:small">⚠ The {n} oldest message{"s" if n > 1 else ""} '
                     f'of this conversation {"were" if n > 1 else "was"} left out of this answer\'s prompt to fit the '
                     f'model\'s context.</p>')
+    if m.stats.get("tool_notice"):
+        body.append(tool_notice_html(m.stats["tool_notice"], t))
     if m.reasoning:
         shown = expanded
         arrow = "▾" if shown else "▸"

@@ -6,28 +6,29 @@ Streaming runs as an asyncio task on the qasync loop (httpx), never on the GUI t
 transcript dirty, and a timer repaints it a few times a second. Stop cancels the task, which closes the connection,
 which aborts the request in the engine. Each answer records its tokens, time to first token and tokens per second.
 Regenerate keeps the earlier answers as versions to flip through (app/chat/versions.py). When the conversation outgrows
-the model's context, the oldest turns are left out of the prompt and the answer says so (app/chat/context.py).
+the model's context, the oldest turns are left out of the prompt and the answer says so (app/chat/context.py). With
+MCP servers picked under Tools, a turn loops through approved tool calls (app/chat/streaming.py, tools.py).
 """
 from __future__ import annotations
 
 import asyncio
-import time
-from contextlib import aclosing
 
-import httpx
 from PySide6.QtCore import QTimer, Signal
 from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QPushButton, QTextBrowser, QToolButton, QVBoxLayout,
                                QWidget)
 
-from app.chat import context, render, versions
+from engine.errors import NInferError
 
 from app import theme
+from app.chat import context, render, versions
 from app.asyncutil import spawn
 from app.chat.context_bar import ContextBar
 from app.chat.message_box import MessageBox
 from app.chat.actions import TranscriptActions
 from app.chat.options import ChatOptions
-from app.client import ApiError
+from app.chat.streaming import TurnMixin
+from app.chat.tool_widgets import ApprovalBar, ToolsBar
+from app.chat.tools import ChatTools, agent_sampling
 from app.chat.store import Conversation, ConversationStore, Message
 from app.chat.transcript import header_text, transcript_html
 
@@ -41,7 +42,7 @@ def transcript_palette() -> dict[str, str]:
     return render.DARK if theme.is_dark() else render.LIGHT
 
 
-class ChatPanel(TranscriptActions, QWidget):
+class ChatPanel(TurnMixin, TranscriptActions, QWidget):
     """``controller`` gives ``client`` (ApiClient), ``model_id``, ``set_mode()`` and the ``mode_changed`` signal."""
 
     generation_finished = Signal()
@@ -64,6 +65,8 @@ class ChatPanel(TranscriptActions, QWidget):
         self.last_count: tuple[int, int] | None = None  # (content characters, prompt tokens) of the last request
         self.mode_sampling: tuple[str | None, dict | None] = (None, None)  # the server's mode and its sampling
         self.shown_model: str | None = None  # the model loaded when the transcript was last drawn
+        self.tools = ChatTools(controller.config)  # MCP servers' tools (app/chat/tools.py)
+        self.mcp_dialog = None
         self._build()
         self._copied_timer = QTimer(self, singleShot=True, interval=COPIED_MS)
         self._copied_timer.timeout.connect(self._copied_done)
@@ -100,6 +103,12 @@ class ChatPanel(TranscriptActions, QWidget):
         self.system_toggle.setCheckable(True)
         self.system_toggle.toggled.connect(lambda on: self.options.setVisible(on))
         bar.addWidget(self.system_toggle)
+        self.tools_toggle = QToolButton()
+        self.tools_toggle.setText("Tools")
+        self.tools_toggle.setToolTip("Which MCP servers' tools the model may call in this conversation")
+        self.tools_toggle.setCheckable(True)
+        self.tools_toggle.toggled.connect(lambda on: self.tools_bar.setVisible(on))
+        bar.addWidget(self.tools_toggle)
         layout.addLayout(bar)
         self.sampling_label = QLabel()
         self.sampling_label.setObjectName("Muted")
@@ -111,6 +120,11 @@ class ChatPanel(TranscriptActions, QWidget):
         self.system_prompt = self.options.system_prompt
         self.options.changed.connect(self._options_changed)
         layout.addWidget(self.options)
+        self.tools_bar = ToolsBar()
+        self.tools_bar.setVisible(False)
+        self.tools_bar.changed.connect(self._tools_changed)
+        self.tools_bar.edit_requested.connect(self.edit_servers)
+        layout.addWidget(self.tools_bar)
 
         self.view = QTextBrowser()
         self.view.setObjectName("Transcript")
@@ -139,6 +153,8 @@ class ChatPanel(TranscriptActions, QWidget):
         self.notice.setWordWrap(True)
         self.notice.setVisible(False)
         layout.addWidget(self.notice)
+        self.approval = ApprovalBar()  # a tool call waiting for the user's answer
+        layout.addWidget(self.approval)
         row = QHBoxLayout()
         self.input = MessageBox()
         self.input.submit.connect(lambda: self.send())
@@ -167,6 +183,7 @@ class ChatPanel(TranscriptActions, QWidget):
         self.messages = self.store.messages(conv.id) if conv else []
         self.options.set_options(conv.options if conv else {}, conv.system_prompt if conv else "")
         self.system_toggle.setChecked(bool(conv and (conv.system_prompt or conv.options)))
+        self.show_tools(conv.tools if conv else [])
         self.context_bar.clear_attachments()
         self.notice.setVisible(False)
         self.cancel_edit()
@@ -185,6 +202,37 @@ class ChatPanel(TranscriptActions, QWidget):
         self._show_sampling()
         self.update_context()
 
+    # ---- MCP tools (app/chat/tools.py, streaming.py) ----------------------------------------------------------------
+    def show_tools(self, chosen: list[str]) -> None:
+        """The Tools bar for a conversation whose chosen servers are ``chosen`` (read mcp.json again)."""
+        try:
+            servers, error = self.tools.servers(), None
+        except NInferError as e:
+            servers, error = {}, str(e)
+        self.tools_bar.set_servers(servers, chosen, error, bool(self.controller.config.get("mcp_require_call")))
+        on = self.tools_bar.chosen()
+        self.tools_toggle.setText(f"Tools ({len(on)})" if on else "Tools")
+        self._show_sampling()
+
+    def _tools_changed(self) -> None:
+        chosen = self.tools_bar.chosen()
+        if self.tools_bar.require.isChecked() != bool(self.controller.config.get("mcp_require_call")):
+            self.controller.config.set("mcp_require_call", self.tools_bar.require.isChecked())
+        if self.conversation is not None:
+            self.conversation.tools = chosen
+            self.store.set_tools(self.conversation.id, chosen)
+        self.tools_toggle.setText(f"Tools ({len(chosen)})" if chosen else "Tools")
+        self._show_sampling()
+
+    def edit_servers(self) -> None:
+        """MCP servers…: the dialog (not modal for the event loop: Test connection runs while it is open)."""
+        from app.chat.mcp_dialog import McpServersDialog
+        if self.mcp_dialog is not None:
+            self.mcp_dialog.deleteLater()
+        self.mcp_dialog = McpServersDialog(self.tools, self)
+        self.mcp_dialog.accepted.connect(lambda: self.show_tools(self.tools_bar.chosen()))
+        self.mcp_dialog.open()
+
     @property
     def max_tokens(self) -> int | None:
         return self.options.options().get("max_tokens")
@@ -198,6 +246,7 @@ class ChatPanel(TranscriptActions, QWidget):
             self.conversation = self.store.create(NEW_TITLE, self.system_prompt.toPlainText())
             self.conversation.options = self.options.options()
             self.store.set_options(self.conversation.id, self.conversation.options)
+            self._tools_changed()
             self.controller.conversations_changed(self.conversation.id)
         return self.conversation
 
@@ -250,11 +299,8 @@ class ChatPanel(TranscriptActions, QWidget):
         self.input.setFocus()  # the next message is typed at once (Stop is about to be disabled)
 
     def _generate(self, before: list | None = None) -> None:
-        conv = self.conversation
-        assistant = self.store.append(conv.id, Message("assistant", model=self.controller.model_id or ""))
-        self.messages.append(assistant)
-        self.streaming = assistant
-        self.task = spawn(self._stream(assistant, before or []), "chat-stream")
+        assistant = self._new_answer()
+        self.task = spawn(self._turn(assistant, before or []), "chat-turn")
         self.task.add_done_callback(lambda _t: self._never_ran(assistant))
         self._update_buttons()
         self.render()
@@ -284,65 +330,6 @@ class ChatPanel(TranscriptActions, QWidget):
         self.context_bar.show_usage(self.api_messages(self.context_bar.with_attachments(typed) if typed or
                                                       self.context_bar.attachments else None))
 
-    async def _stream(self, msg: Message, before: list) -> None:
-        client = self.controller.client
-        fitted = context.fit(self.api_messages(), self.context_bar.window, self.max_tokens, self.chars_per_token)
-        messages = fitted.messages
-        if fitted.left_out:
-            msg.stats["left_out"] = fitted.left_out
-        params = {k: v for k, v in self.options.options().items()}
-        t0 = time.perf_counter()
-        first: float | None = None
-        events = 0
-        usage = None
-        finish = None
-        try:
-            stream = client.stream_chat(self.controller.model_id, messages, **params)
-            async with aclosing(stream) as events_in:
-                async for ev in events_in:
-                    if ev.kind in ("content", "reasoning", "tool_calls"):
-                        first = first if first is not None else time.perf_counter()
-                        events += 1
-                    if ev.kind == "content":
-                        msg.content += ev.text
-                    elif ev.kind == "reasoning":
-                        msg.reasoning += ev.text
-                    elif ev.kind == "tool_calls":
-                        msg.tool_calls = ev.data
-                    elif ev.kind == "usage":
-                        usage = ev.data
-                    elif ev.kind == "finish":
-                        finish = ev.text
-                    elif ev.kind == "error":
-                        msg.stats["error"] = ev.text
-                    self.dirty = True
-        except asyncio.CancelledError:
-            finish = "stopped"
-        except ApiError as e:
-            msg.stats["error"] = str(e)
-        except httpx.HTTPError as e:
-            msg.stats["error"] = f"{type(e).__name__}: {e or 'the connection failed'}"
-        finally:
-            end = time.perf_counter()
-            tokens = (usage or {}).get("completion_tokens", events if events else None)
-            prompt_tokens = (usage or {}).get("prompt_tokens")
-            if prompt_tokens:
-                msg.stats["prompt_tokens"] = prompt_tokens
-                chars = sum(len(m.get("content") or "") for m in messages)
-                self.chars_per_token = context.calibrate(chars, prompt_tokens, self.chars_per_token, self.last_count)
-                self.last_count = (chars, prompt_tokens)
-            msg.stats.update(tokens=tokens, finish=finish or msg.stats.get("finish"),
-                             ttft=(first - t0) if first is not None else None,
-                             tok_s=((tokens - 1) / (end - first)) if first is not None and tokens and tokens > 1
-                             and end > first else None)
-            versions.finish(msg, before)
-            self.store.update(msg)
-            self.streaming = None
-            self.render()
-            self._update_buttons()
-            self.update_context()
-            self.generation_finished.emit()
-
     # ---- showing ---------------------------------------------------------------------------------------------------
     def show_mode(self, mode: str | None, sampling: dict | None) -> None:
         available = mode is not None
@@ -357,6 +344,8 @@ class ChatPanel(TranscriptActions, QWidget):
     def _show_sampling(self) -> None:
         """The header's line: this conversation's own sampling values, then the mode's for the rest."""
         mode, sampling = self.mode_sampling
+        if self.tools_bar.chosen():  # while tools are on, the requests carry Agent mode's sampling
+            sampling, mode = agent_sampling(mode is not None), mode or "agent"
         self.sampling_label.setText(header_text(sampling, self.options.options(), mode is not None))
 
     def set_model_label(self, text: str) -> None:
