@@ -83,6 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     from engine.server.state import ServerState
 
     state = ServerState(settings, served_model_ids(settings, path))
+    try:
+        from engine.server.mcp_tools import server_tools
+        if server_tools(state) is not None:
+            log.info("MCP tools for chat requests: %s", ", ".join(state.mcp.servers) or "none")
+    except NInferError as e:  # a missing or malformed --mcp-config: before anything loads
+        print(f"ninfer-serve: {e}", file=sys.stderr)
+        return 2
     server = uvicorn.Server(uvicorn.Config(create_app(state), host=settings.host, port=settings.port,
                                            log_level=settings.log_level, timeout_graceful_shutdown=5,
                                            http=APIErrorsProtocol))
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     server.run()
     if state.loaded is not None:
         state.loaded.engine.shutdown()
+    if state.mcp is not None:
+        state.mcp.close()  # its stdio servers end with it
     return 1 if state.load_error else 0
 
 

@@ -37,6 +37,7 @@ class Settings:
     cors_origins: list[str] = _list("cors_origins")
     max_queue: int = _default("max_queue")
     max_body_mib: int = _default("max_body_mib")
+    mcp_config: str = _default("mcp_config")
     # model
     device: str = _default("device")
     weight_dtype: str = _default("weight_dtype")

@@ -160,6 +160,10 @@ SETTINGS: tuple[Setting, ...] = (
            "until the queue drains.", minimum=0),
         _s("max_body_mib", int, 16, "Largest request body accepted, in MiB; bigger requests are refused with 413.",
            minimum=1),
+        _s("mcp_config", str, "", "An mcp.json (the mcpServers shape: stdio command + args + env, or url + headers) "
+           "whose servers' tools chat requests may ask for with {\"type\": \"mcp\", \"server_label\": NAME}; the server "
+           "runs those calls itself (docs/API.md). Loopback only unless an API key is set.",
+           metavar="FILE", default_means="no server-side MCP tools"),
     ),
     *_group(
         "model",

@@ -11,6 +11,7 @@ from engine.server import admin, errors, security, tokens
 from engine.server.bodies import ThreadedBodyRoute
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
+from engine.server.mcp_tools import chat_with_mcp, mcp_entries
 from engine.server.messages import MessagesRequest, count_tokens, messages
 from engine.server.responses import ResponsesRequest, responses
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -44,6 +45,8 @@ def create_app(state: ServerState) -> FastAPI:
         return {"object": "list", "data": [model_card(state, m) for m in state.model_ids]}
 
     async def create_chat_completion(req: ChatCompletionRequest, request: Request):
+        if mcp_entries(req.tools):
+            return await chat_with_mcp(req, state, request)
         return await chat_completions(req, state, request)
 
     async def create_completion(req: CompletionRequest, request: Request):

@@ -107,6 +107,14 @@ def output_constraint(tok, req: ChatCompletionRequest, in_reasoning: bool) -> Co
 
 
 async def chat_completions(req: ChatCompletionRequest, state: ServerState, request=None):
+    reply = await prepare_reply(req, state)
+    if req.stream:
+        return StreamingResponse(reply.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return JSONResponse(await unless_disconnected(request, reply.whole()))
+
+
+async def prepare_reply(req: ChatCompletionRequest, state: ServerState) -> _Reply:
+    """The request's sequences submitted to the engine, with what answers them (as one body or as SSE chunks)."""
     state.check_model(req.model)
     loaded = state.ready()
     prompt, in_reasoning = await asyncio.to_thread(render, state, req)
@@ -120,10 +128,7 @@ async def chat_completions(req: ChatCompletionRequest, state: ServerState, reque
     choices = [Choice(i, loaded.tokenizer, req.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
                       tool_names=names, parallel_calls=parallel_calls(req)) for i in range(req.n)]
     streams = submit(state, prompt, params, req.n)  # last: nothing after it can fail and leave them running
-    reply = _Reply(req, loaded.tokenizer, streams, choices, len(prompt))
-    if req.stream:
-        return StreamingResponse(reply.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse(await unless_disconnected(request, reply.whole()))
+    return _Reply(req, loaded.tokenizer, streams, choices, len(prompt))
 
 
 class _Reply:

@@ -20,6 +20,7 @@ class ServerState:
     created: int = 0
     defaults: dict = field(default_factory=dict)
     metrics: Metrics = field(default_factory=Metrics)
+    mcp: "object | None" = None  # engine.server.mcp_tools.ServerTools, for --mcp-config
 
     def __post_init__(self):
         self.defaults = sampling_defaults(self.settings)
