@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The app on real X screens of 1280 x 800 and 800 x 600 with a window manager (openbox): whole-screen pictures of the
-# main window, the model library's On this computer list and the launcher after Change model with LAN kept, saved as
+# main window, the model library's On this computer list and the launcher after Change model with LAN kept (and, with
+# the reference MCP filesystem server installed, a tool call in the chat at 1280 x 800), saved as
 # NAME-WxH.png into docs/screenshots/ (or the folder given). Look at each: every window whole on the screen, its
 # title bar and status bar included.
 #
@@ -19,3 +20,10 @@ for size in 1280x800 800x600; do
     NINFER_HOME="$work/$size/home" HF_HOME="$work/$size/hf" HOME="$work/$size/user" \
         xvfb-run -a -s "-screen 0 ${size}x24" bash -c 'openbox >/dev/null 2>&1 & sleep 1; python -m app.screenshots_screen "$0"' "$out"
 done
+if command -v mcp-server-filesystem >/dev/null 2>&1; then  # a tool call of the reference filesystem server
+    mkdir -p "$work/mcp/user"
+    NINFER_HOME="$work/mcp/home" HF_HOME="$work/mcp/hf" HOME="$work/mcp/user" \
+        xvfb-run -a -s "-screen 0 1280x800x24" bash -c 'openbox >/dev/null 2>&1 & sleep 1; python -m app.screenshots_mcp "$0"' "$out"
+else
+    echo "screen_check.sh: mcp-server-filesystem not found (npm install -g @modelcontextprotocol/server-filesystem): no MCP pictures" >&2
+fi

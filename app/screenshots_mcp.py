@@ -1,0 +1,132 @@
+"""A tool call in the chat window, on a real X screen (run by scripts/screen_check.sh when the reference MCP
+filesystem server is installed: ``npm install -g @modelcontextprotocol/server-filesystem``):
+
+    python -m app.screenshots_mcp OUT_DIR
+
+Configures ``mcp-server-filesystem`` over a small demo folder in the app's mcp.json, starts the embedded model,
+picks the server under Tools with "Call a tool first", sends a question, saves the approval bar
+(mcp-approval-WxH.png), approves, and saves the answer with the call and its result opened
+(mcp-tool-call-WxH.png). NINFER_HOME and HOME should point at empty folders.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from app.screenshots import _free_port, _until
+
+QUESTION = "Which directories may you read? Use a tool."
+READ_ONLY = ("list_", "read_", "get_", "search_", "directory_tree")  # the filesystem server's tools that change nothing
+
+
+def _demo_folder(work: Path) -> Path:
+    folder = work / "notes"
+    folder.mkdir()
+    (folder / "todo.md").write_text("- ship the MCP tools\n- write the docs\n")
+    (folder / "ideas.txt").write_text("A tray icon that shows the decode speed.\n")
+    return folder
+
+
+async def drive(app, controller, out: Path, work: Path) -> None:
+    from PySide6.QtCore import QPoint, Qt
+    from PySide6.QtGui import QGuiApplication
+    from PySide6.QtTest import QTest
+
+    command = shutil.which("mcp-server-filesystem")
+    if command is None:
+        raise SystemExit("mcp-server-filesystem is not installed: npm install -g @modelcontextprotocol/server-filesystem")
+    screen = QGuiApplication.primaryScreen()
+    size = f"{screen.geometry().width()}x{screen.geometry().height()}"
+
+    async def save(name: str) -> None:
+        await asyncio.sleep(1.0)
+        app.processEvents()
+        path = out / f"{name}-{size}.png"
+        if not screen.grabWindow(0).save(str(path)):
+            raise RuntimeError(f"could not save {path}")
+        print(f"saved {path}", flush=True)
+
+    launcher = controller.launcher
+    launcher.apply_config({"model": None, "preset": "cpu-default",
+                           "values": {"port": _free_port(), "max_context": 4096, "max_concurrency": 2}})
+    launcher.show()
+    await _until(launcher.start_button.isEnabled, 180, "Start to be enabled")
+    launcher.start()
+    await _until(lambda: controller.window is not None and controller.mode is not None, 300, "the model to load")
+    chat = controller.window.chat
+    chat.tools.path.parent.mkdir(parents=True, exist_ok=True)
+    chat.tools.path.write_text(json.dumps({"mcpServers": {"files": {"command": command,
+                                                                   "args": [str(_demo_folder(work))]}}}))
+    chat.show_tools([])
+    QTest.mouseClick(chat.tools_toggle, Qt.MouseButton.LeftButton)
+    for box in (chat.tools_bar.boxes["files"], chat.tools_bar.require):
+        QTest.mouseClick(box, Qt.MouseButton.LeftButton, pos=QPoint(8, box.height() // 2))
+    chat.max_tokens = 96
+    QTest.keyClicks(chat.input, QUESTION)
+    QTest.mouseClick(chat.send_button, Qt.MouseButton.LeftButton)
+    def succeeded() -> bool:
+        return any(m.role == "tool" and not m.stats.get("failed") for m in chat.messages)
+
+    for _ in range(16):  # as a careful user: read-only calls approved, anything that writes denied; else Regenerate
+        await _until(lambda: not chat.busy or chat.approval.isVisible(), 300, "a call or the answer")
+        if chat.approval.isVisible():
+            reads = any(f"<b>{verb}" in chat.approval.label.text() for verb in READ_ONLY)
+            if reads and not succeeded():
+                await save("mcp-approval")
+                QTest.mouseClick(chat.approval.approve_button, Qt.MouseButton.LeftButton)
+            else:
+                QTest.mouseClick(chat.approval.deny_button, Qt.MouseButton.LeftButton)
+            await asyncio.sleep(0.3)
+        elif succeeded():
+            break
+        else:
+            QTest.mouseClick(chat.regen_button, Qt.MouseButton.LeftButton)
+            await asyncio.sleep(0.5)
+    while chat.busy:  # (out of tries: what the last one gave)
+        if chat.approval.isVisible():
+            QTest.mouseClick(chat.approval.deny_button, Qt.MouseButton.LeftButton)
+        await asyncio.sleep(0.3)
+    result = next((m for m in chat.messages if m.role == "tool" and not m.stats.get("failed")), None) or \
+        next((m for m in chat.messages if m.role == "tool"), None)
+    if result is not None:  # the first result opened, as a click on its line does
+        chat.expanded ^= {result.id}
+    chat.render()
+    await save("mcp-tool-call")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
+    import qasync
+    from PySide6.QtWidgets import QApplication
+
+    from app import theme
+    from app.controller import Controller
+
+    argv = sys.argv[1:] if argv is None else argv
+    out = Path(argv[0] if argv else "docs/screenshots").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setApplicationName("NInfer")
+    app.setQuitOnLastWindowClosed(False)
+    theme.apply(app, dark=False)
+    loop = qasync.QEventLoop(app)
+    asyncio.set_event_loop(loop)
+    controller = Controller(has_tray=False, quit_app=lambda: None)
+
+    async def session(work: Path):
+        try:
+            await drive(app, controller, out, work)
+        finally:
+            await controller.quit()
+
+    with tempfile.TemporaryDirectory() as work, loop:
+        loop.run_until_complete(session(Path(work)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
