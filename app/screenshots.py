@@ -135,7 +135,11 @@ async def drive(app, controller, out: Path) -> None:
     print(f"{len(shots)} screenshots in {out}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_session(drive, argv: list[str] | None, *, work: bool = False) -> int:
+    """Runs ``await drive(app, controller, out)`` (``out``: the folder argv names, docs/screenshots by default; with
+    ``work``, a throwaway folder as a fourth argument) in the app's event loop, then quits the app cleanly."""
+    import tempfile
+
     import qasync
     from PySide6.QtWidgets import QApplication
 
@@ -153,15 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.set_event_loop(loop)
     controller = Controller(has_tray=False, quit_app=lambda: None)
 
-    async def session():
+    async def session(folder: str):
         try:
-            await drive(app, controller, out)
+            await (drive(app, controller, out, Path(folder)) if work else drive(app, controller, out))
         finally:
             await controller.quit()
 
-    with loop:
-        loop.run_until_complete(session())
+    with tempfile.TemporaryDirectory() as folder, loop:
+        loop.run_until_complete(session(folder))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_session(drive, argv)
 
 
 if __name__ == "__main__":

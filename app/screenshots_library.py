@@ -18,7 +18,7 @@ import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
 
-from app.screenshots import _free_port, _until
+from app.screenshots import _free_port, _until, run_session
 
 REPO = "local-demo/SmolLM2-135M-Instruct-GGUF"
 
@@ -96,37 +96,10 @@ async def drive(app, controller, out: Path, work: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import tempfile
-
-    import qasync
-    from PySide6.QtWidgets import QApplication
-
-    from app import theme
-    from app.controller import Controller
-
-    argv = sys.argv[1:] if argv is None else argv
-    out = Path(argv[0] if argv else "docs/screenshots").resolve()
-    out.mkdir(parents=True, exist_ok=True)
     os.environ.pop("HF_HUB_OFFLINE", None)  # the stand-in hub is on the loopback
     from huggingface_hub import constants
     constants.HF_HUB_OFFLINE = False
-    app = QApplication.instance() or QApplication(sys.argv[:1])
-    app.setApplicationName("NInfer")
-    app.setQuitOnLastWindowClosed(False)
-    theme.apply(app, dark=False)
-    loop = qasync.QEventLoop(app)
-    asyncio.set_event_loop(loop)
-    controller = Controller(has_tray=False, quit_app=lambda: None)
-
-    async def session(work: Path):
-        try:
-            await drive(app, controller, out, work)
-        finally:
-            await controller.quit()
-
-    with tempfile.TemporaryDirectory() as work, loop:
-        loop.run_until_complete(session(Path(work)))
-    return 0
+    return run_session(drive, argv, work=True)
 
 
 if __name__ == "__main__":
