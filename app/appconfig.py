@@ -9,10 +9,10 @@ last one that worked. The file is JSON, written atomically.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from engine.userfiles import write_replacing
 
 from app import paths
 
@@ -48,18 +48,7 @@ class AppConfig:
             self.data = {}
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".app-", suffix=".json", dir=self.path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.data, f, indent=2, ensure_ascii=False)
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_replacing(self.path, json.dumps(self.data, indent=2, ensure_ascii=False))
 
     # ---- recent models ---------------------------------------------------------------------------------------
     @property

@@ -135,6 +135,25 @@ async def drive(app, controller, out: Path) -> None:
     print(f"{len(shots)} screenshots in {out}", flush=True)
 
 
+def screen_saver(app, out: Path):
+    """``await save(name)``: the whole X screen (window frames included) as out/NAME-WxH.png, once the window
+    manager has placed what was just shown."""
+    from PySide6.QtGui import QGuiApplication
+
+    screen = QGuiApplication.primaryScreen()
+    size = f"{screen.geometry().width()}x{screen.geometry().height()}"
+
+    async def save(name: str) -> None:
+        await asyncio.sleep(1.0)
+        app.processEvents()
+        path = out / f"{name}-{size}.png"
+        if not screen.grabWindow(0).save(str(path)):
+            raise RuntimeError(f"could not save {path}")
+        print(f"saved {path}", flush=True)
+
+    return save
+
+
 def run_session(drive, argv: list[str] | None, *, work: bool = False) -> int:
     """Runs ``await drive(app, controller, out)`` (``out``: the folder argv names, docs/screenshots by default; with
     ``work``, a throwaway folder as a fourth argument) in the app's event loop, then quits the app cleanly."""

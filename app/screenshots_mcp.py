@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from app.screenshots import _free_port, _until, run_session
+from app.screenshots import _free_port, _until, run_session, screen_saver
 
 QUESTION = "Which directories may you read? Use a tool."
 READ_ONLY = ("list_", "read_", "get_", "search_", "directory_tree")  # the filesystem server's tools that change nothing
@@ -32,22 +32,12 @@ def _demo_folder(work: Path) -> Path:
 
 async def drive(app, controller, out: Path, work: Path) -> None:
     from PySide6.QtCore import QPoint, Qt
-    from PySide6.QtGui import QGuiApplication
     from PySide6.QtTest import QTest
 
     command = shutil.which("mcp-server-filesystem")
     if command is None:
         raise SystemExit("mcp-server-filesystem is not installed: npm install -g @modelcontextprotocol/server-filesystem")
-    screen = QGuiApplication.primaryScreen()
-    size = f"{screen.geometry().width()}x{screen.geometry().height()}"
-
-    async def save(name: str) -> None:
-        await asyncio.sleep(1.0)
-        app.processEvents()
-        path = out / f"{name}-{size}.png"
-        if not screen.grabWindow(0).save(str(path)):
-            raise RuntimeError(f"could not save {path}")
-        print(f"saved {path}", flush=True)
+    save = screen_saver(app, out)
 
     launcher = controller.launcher
     launcher.apply_config({"model": None, "preset": "cpu-default",

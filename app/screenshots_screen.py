@@ -15,7 +15,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from app.screenshots import _free_port, _until, run_session
+from app.screenshots import _free_port, _until, run_session, screen_saver
 
 
 def _models_folder(work: Path) -> Path:
@@ -41,20 +41,9 @@ def _trigger(window, text: str) -> None:
 
 
 async def drive(app, controller, out: Path, work: Path) -> None:
-    from PySide6.QtGui import QGuiApplication
-
     from app.library.local import FOLDERS_KEY
 
-    screen = QGuiApplication.primaryScreen()
-    size = f"{screen.geometry().width()}x{screen.geometry().height()}"
-
-    async def save(name: str) -> None:
-        await asyncio.sleep(1.0)  # the window manager maps, frames and places the window
-        app.processEvents()
-        path = out / f"{name}-{size}.png"
-        if not screen.grabWindow(0).save(str(path)):
-            raise RuntimeError(f"could not save {path}")
-        print(f"saved {path}", flush=True)
+    save = screen_saver(app, out)
 
     launcher = controller.launcher
     launcher.apply_config({"model": None, "preset": "cpu-default",

@@ -3,7 +3,9 @@ they are regular files of bounded size, and written only into a folder that exis
 typo in a folder name then gets a clear error, not a hang, an out-of-memory kill or a new folder tree."""
 from __future__ import annotations
 
+import os
 import stat
+import tempfile
 from pathlib import Path
 
 from engine.errors import NInferError
@@ -56,3 +58,21 @@ def check_write_target(path: Path, what: str, remedy: str) -> None:
                           f"Create the folder first, or {remedy[0].lower() + remedy[1:]}")
     if path.exists() and not path.is_file():
         raise NInferError(f"{what.capitalize()} {path} is a {special_kind(path)}, not a regular file.", remedy)
+
+
+def write_replacing(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` (its folder created) through a temporary file beside it that replaces it, so a
+    crash mid-write never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=path.suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

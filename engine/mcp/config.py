@@ -15,13 +15,12 @@ reported at once, each naming the server and the field.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engine.errors import NInferError
+from engine.userfiles import write_replacing
 
 MAX_BYTES = 1 << 20  # an mcp.json larger than this is not a configuration
 STDIO_TYPES = ("stdio",)
@@ -187,16 +186,4 @@ def dump(servers: dict[str, ServerConfig]) -> str:
 
 def save(path: Path | str, servers: dict[str, ServerConfig]) -> None:
     """Writes the file atomically (keys of other apps' files inside each server kept)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".mcp-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(dump(servers))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_replacing(Path(path), dump(servers))
