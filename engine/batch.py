@@ -59,6 +59,11 @@ class ForwardBatch:
     logit_rows: torch.Tensor | None = None  # rows to compute logits for; None = every row
     max_position: int = 0
     decode: DecodeTable | None = None  # set for a static decode step: attention reads this table, not `seqs`
+    # images (engine/model/vision_input.py): M-RoPE positions [3, T] (time, height, width) of a step with image
+    # tokens, None otherwise (1-D `positions`); and (rows [N], values [N, hidden]): embeddings that replace the
+    # embedding lookup of those rows
+    rope_positions: torch.Tensor | None = None
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     _memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     def single_token_rows(self) -> tuple[list[SeqSlice], torch.Tensor | None, torch.Tensor | None]:

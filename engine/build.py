@@ -26,6 +26,8 @@ from engine.kernel_cache import use_kernel_cache
 from engine.model.linear import LOW_BIT, dense_cpu_dtype, dense_prefill_rows, use_cpu_kernel
 from engine.model.registry import build_model
 from engine.model.loader import load_weights
+from engine.model.image_processing import ImageInputError
+from engine.model.vision_input import VisionModel
 from engine.model.weights import Progress
 from engine.runner import ModelRunner
 from engine.speculative.factory import make_speculator
@@ -123,6 +125,7 @@ class LoadedModel:
     mtp_tensors: dict = field(default_factory=dict)
     load_seconds: float = 0.0
     kv_name: str = "auto"  # the KV dtype's name the ledger plans with: the setting, or what --fit chose
+    vision: Any = None  # engine.model.vision_input.VisionModel of a vision-language folder; None: text only
 
 
 # the settings load_model reads: two engines over one LoadedModel must agree on them (the self-check ran with the KV
@@ -231,11 +234,32 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
     selfcheck.run(weights, net, fmt, kdtype, tokenizer, allow=c.allow_lossy_format)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights
+    vision = _load_vision(path, cfg, wdtype, dev)
     freed = return_freed_memory()
     if freed >= 64 * MIB:
         log.info("memory: %.0f MiB the loading had freed handed back to the OS", freed / MIB)
     return LoadedModel(net, tokenizer, cfg, path, dev, wdtype, kdtype, fmt, c, storage, mtp_tensors,
-                       time.perf_counter() - t0, kv_name)
+                       time.perf_counter() - t0, kv_name, vision)
+
+
+def _load_vision(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> VisionModel | None:
+    """The vision tower of an HF folder that has one (vision_config and model.visual.* weights), dense in the
+    model's activation dtype; None for GGUF files, text-only folders and folders whose image processor
+    (preprocessor_config.json) is missing or malformed (said in the log)."""
+    if not path.is_dir():
+        return None
+    try:
+        vision = VisionModel.from_folder(path, dtype, device)
+    except ImageInputError as e:  # the tower without its image processor: the text model still serves
+        log.warning("%s: the vision tower is not loaded, requests with images are refused: %s", path.name, e)
+        return None
+    if vision is not None:
+        if not cfg.mrope_section:
+            raise NInferError(f"{path.name} has a vision tower, but its text config has no mrope_section: image "
+                              f"positions cannot be rotated.", "Download the model folder's config.json again.")
+        log.info("vision tower: %d blocks, %s; images in prompts are read", vision.tower.cfg.depth,
+                 str(dtype).removeprefix("torch."))
+    return vision
 
 
 @in_own_thread
@@ -279,7 +303,8 @@ def assemble_engine(model: LoadedModel, config: EngineConfig | None = None, **se
     if speculator is not None:
         log.info("speculative decoding: %s, up to %d draft tokens", speculator.method, speculator.max_draft)
     engine = Engine(runner, c.replace(max_context=context), eos_ids=model.tokenizer.eos_token_ids,
-                    speculator=speculator, state_snapshots=snapshots)
+                    speculator=speculator, state_snapshots=snapshots, vision=model.vision,
+                    model_name=model.path.name)
     return LoadedEngine(engine, model.tokenizer, cfg, model.path, dev, model.dtype,
                         model.load_seconds + time.perf_counter() - t0, ledger, model.storage)
 

@@ -13,6 +13,7 @@ import torch
 from engine.constrain import ConstraintError
 from engine.config.engine_config import EngineConfig
 from engine.errors import NInferError
+from engine.model.vision_input import ImagesNotSupportedError
 from engine.memory.kv.window import tier_stats
 from engine.memory.build import assemble
 from engine.runner import ModelRunner, Work
@@ -42,11 +43,12 @@ class QueueFullError(NInferError):
 class Engine:
     def __init__(self, runner: ModelRunner, config: EngineConfig | None = None, *,
                  eos_ids: frozenset[int] = frozenset(), speculator: Speculator | None = None,
-                 state_snapshots: int = 0, **settings):
+                 state_snapshots: int = 0, vision=None, model_name: str = "this model", **settings):
         """`config` (engine/config/engine_config.py; keyword `settings` change single fields of it): the Engine reads
         max_context (the longest sequence, resolved: not 0), max_concurrency, max_queue, prefill_chunk, the prefix
         and KV-tier settings. `state_snapshots`: recurrent-state snapshots kept for prefix reuse (models with
-        recurrent layers; engine/memory/state.py)."""
+        recurrent layers; engine/memory/state.py). `vision`: the model's engine.model.vision_input.VisionModel
+        (None: a text-only model, which refuses requests with images); `model_name` names it in that refusal."""
         c = self.config = (config or EngineConfig()).replace(**settings)
         if c.max_context < 1:
             raise ValueError("Engine needs the resolved context length (config.max_context >= 1)")
@@ -61,6 +63,7 @@ class Engine:
         self.max_context = c.max_context
         self.eos_ids = eos_ids
         self.speculator = speculator  # speculative decoding (engine.speculative), or None
+        self.vision, self.model_name = vision, model_name
         self._commands: queue.Queue = queue.Queue()
         self._abort_requested: set[str] = set()  # request ids; the running step checks them between its layers
         self._streams: dict[str, RequestStream] = {}
@@ -104,11 +107,15 @@ class Engine:
         return True
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-               loop=None) -> RequestStream:
-        """Queues a request; raises NInferError at once when it can never run. Thread-safe."""
+               loop=None, images: list | None = None) -> RequestStream:
+        """Queues a request; raises NInferError at once when it can never run. Thread-safe. `images`: the prompt's
+        images in order (encoded bytes or Pillow images), each standing in `prompt` as its run of <|image_pad|>
+        tokens (engine.model.vision_positions.expand_image_placeholders); preprocessed here, on the caller's
+        thread (engine/model/vision_input.py)."""
         params.validate()
         if not prompt:
             raise NInferError("The prompt is empty.", "Send at least one token of input.")
+        prepared = self._prepare_images(list(prompt), images) if images is not None else None
         capacity = self.kv_reach
         if len(prompt) >= self.max_context:
             raise ContextLengthError(len(prompt), self.max_context, "the context length")
@@ -119,19 +126,29 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self.abort, loop)
         # built before a queue slot is taken: a request that fails here holds no slot
-        seq = Sequence(request_id, list(prompt), params, min(self.max_context, capacity), stream.push, self.eos_ids)
+        seq = Sequence(request_id, list(prompt), params, min(self.max_context, capacity), stream.push, self.eos_ids,
+                       images=prepared)
         if not self._admitted.acquire(blocking=False):
             raise QueueFullError(self.scheduler.max_concurrency + self.max_queue)
         self._commands.put(("submit", (seq, stream)))
         return stream
 
+    def _prepare_images(self, prompt: list[int], images: list):
+        """The request's images preprocessed and placed (PromptImages); refused where the model has no vision."""
+        if self.vision is None:
+            raise ImagesNotSupportedError(self.model_name, "has no vision tower loaded (a text-only model)")
+        if self.sequence_memory.tiers is not None:
+            raise NInferError("Requests with images do not run with a KV window (--kv-window) in this version.",
+                              "Serve the model without --kv-window to send it images.")
+        return self.vision.prepare(prompt, images)
+
     def abort(self, request_id: str) -> None:
         self._abort_requested.add(request_id)  # seen by a step in progress (Engine._abort_check)
         self._commands.put(("abort", request_id))
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> list[int]:
-        """Blocking convenience: the whole completion's token ids."""
-        return [t for out in self.submit(prompt, params) for t in out.token_ids]
+    def generate(self, prompt: list[int], params: SamplingParams, images: list | None = None) -> list[int]:
+        """Blocking convenience: the whole completion's token ids (`images`: as submit's)."""
+        return [t for out in self.submit(prompt, params, images=images) for t in out.token_ids]
 
     def stats(self) -> dict:
         s = self.scheduler
@@ -195,8 +212,9 @@ class Engine:
         if not plan:
             return
         drafts, started = {}, time.perf_counter()
-        if self.speculator is not None:
-            decoding = [seq for seq, n in plan if n == 1 and seq.num_computed == len(seq.tokens) - 1]
+        if self.speculator is not None:  # not for a sequence with images (its drafter would rotate at the index)
+            decoding = [seq for seq, n in plan if n == 1 and seq.num_computed == len(seq.tokens) - 1
+                        and seq.images is None]
             drafts = self.speculator.draft(decoding, self.memory)
         works = []
         for seq, n in plan:
@@ -207,7 +225,8 @@ class Engine:
                 tokens, logits = seq.tokens[start:start + n], "last" if start + n == len(seq.tokens) else None
             self.memory.before_step(seq, start, len(tokens), verify=seq.request_id in drafts)
             works.append(Work(tokens, start, seq.pages, logits, seq.memory.state,
-                              self._abort_check(seq) if n > 1 else None))
+                              self._abort_check(seq) if n > 1 else None, seq.rope_delta,
+                              **self._image_chunk(seq, start, len(tokens))))
         t0 = time.perf_counter()
         logits = self.runner.run(works)
         seconds = time.perf_counter() - t0
@@ -217,8 +236,9 @@ class Engine:
         for (seq, n), rows, work in zip(plan, logits, works):
             if seq.status is Status.FINISHED:  # aborted during the step: it left it, its memory is back
                 continue
-            if hidden is not None:
+            if hidden is not None and seq.images is None:  # MTP keeps no KV of a sequence with images
                 kept.append((seq, work.start, row))
+            if hidden is not None:
                 row += len(work.tokens)
             if rows is None or n > 1:
                 prefill += n
@@ -245,6 +265,16 @@ class Engine:
         if self.speculator is not None:  # what the whole step cost (drafting, the forward, verification)
             self.speculator.step_done(sum(len(w.tokens) for w in works), len(works), prefill > 0,
                                       time.perf_counter() - started)
+
+    def _image_chunk(self, seq: Sequence, start: int, n: int) -> dict:
+        """A prompt chunk of a sequence with images: its M-RoPE positions and the image rows inside it (the tower
+        runs for the sequence on its first chunk); {} for text-only sequences and for steps past the prompt (they
+        rotate at index + rope_delta)."""
+        images = seq.images
+        if images is None or start >= images.positions.shape[1]:
+            return {}
+        self.vision.embed(images, self.runner.model.dtype, self.runner.device)
+        return dict(rope_positions=images.chunk_positions(start, n), image_rows=images.chunk_rows(start, n))
 
     def _abort_check(self, seq: Sequence):
         """For a prompt chunk: what the runner asks between the layers of the step. Once the sequence's abort was

@@ -32,6 +32,9 @@ class Work:
     logits: str | None = "last"  # "last", "all" or None
     state: SeqState | None = None
     aborted: Callable[[], bool] | None = None  # asked between layers: True, and it leaves the step (interrupt.py)
+    rope_delta: int = 0  # after a prompt with images: token i rotates at position i + rope_delta (all rows equal)
+    rope_positions: torch.Tensor | None = None  # a chunk of a prompt with images: its M-RoPE positions [3, n]
+    image_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # ... and (indices in the chunk, image embeddings)
 
 
 class ModelRunner:
@@ -104,7 +107,8 @@ class ModelRunner:
         for w in works:
             n = len(w.tokens)
             ctx = w.start + n
-            pos = list(range(w.start, ctx))
+            delta = w.rope_delta if w.rope_positions is None else 0  # a chunk with images: rope_positions rule
+            pos = list(range(w.start + delta, ctx + delta))
             ids.extend(w.tokens)
             positions.extend(pos)
             w.pages.bind(self.kv, w.start, n)
@@ -130,6 +134,7 @@ class ModelRunner:
             seqs=seqs, kv=self.kv, state=self.state,
             logit_rows=torch.tensor(rows, dtype=torch.long, device=dev),
             max_position=max(positions),
+            **_image_inputs(works, positions, dev),
         )
         checks = [(i, w.aborted) for i, w in enumerate(works) if w.aborted is not None]
         if not checks:
@@ -146,3 +151,21 @@ class ModelRunner:
                 out.append(logits[row:row + span[1]])
                 row += span[1]
         return out
+
+
+def _image_inputs(works: list[Work], positions: list[int], device) -> dict:
+    """The ForwardBatch fields of a step with image tokens: M-RoPE positions [3, T] (the works without images
+    have their 1-D positions in all three rows) and the image rows at their flat indices; {} for a text-only step."""
+    if all(w.rope_positions is None and w.image_rows is None for w in works):
+        return {}
+    rope, indices, values, q_start = [], [], [], 0
+    for w in works:
+        n = len(w.tokens)
+        rope.append(w.rope_positions if w.rope_positions is not None
+                    else torch.tensor(positions[q_start:q_start + n]).expand(3, -1))
+        if w.image_rows is not None:
+            indices.append(w.image_rows[0] + q_start)
+            values.append(w.image_rows[1])
+        q_start += n
+    image_rows = (torch.cat(indices).to(device), torch.cat(values).to(device)) if indices else None
+    return dict(rope_positions=torch.cat(rope, dim=1).to(device), image_rows=image_rows)

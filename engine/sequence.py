@@ -61,6 +61,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache at its first admission
     generator: torch.Generator = field(init=False)
     spec: object | None = None  # engine.speculative.speculator.SpecState while speculative decoding runs
+    images: object | None = None  # engine.model.vision_input.PromptImages of a prompt with images
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -74,6 +75,18 @@ class Sequence:
     @pages.setter
     def pages(self, table: PageTable) -> None:
         self.memory.pages = table
+
+    @property
+    def rope_delta(self) -> int:
+        """Its tokens past the prompt rotate at index + rope_delta (0 without images)."""
+        return 0 if self.images is None else self.images.delta
+
+    @property
+    def shares_prefix(self) -> bool:
+        """Whether its KV pages and recurrent-state snapshots may come from, and go to, the prefix cache. Not for a
+        prompt with images: the cache keys pages by token ids alone, and every image has the same placeholder
+        tokens, so another image's pages would match (keys with image hashes: not yet)."""
+        return self.images is None
 
     @property
     def to_compute(self) -> int:

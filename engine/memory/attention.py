@@ -43,6 +43,12 @@ log = logging.getLogger("ninfer.scheduler")
 Limit = Callable[[list[bytes]], int]  # the chain keys of matched pages -> how many of them may be used
 
 
+def shares_prefix(seq) -> bool:
+    """Whether the sequence's pages may come from and go to the prefix cache (engine.sequence.Sequence.shares_prefix:
+    not for a prompt with images)."""
+    return getattr(seq, "shares_prefix", True)
+
+
 class AttentionMemory:
     check_admissions = False  # tests: assert the invariants after every admission (costs a recomputation)
 
@@ -67,6 +73,8 @@ class AttentionMemory:
             if admitted and self.check_admissions:
                 self.check(seq)
             return admitted
+        if not shares_prefix(seq):
+            return self._admit_private(seq, recompute)
         hits = self._match(seq, limit)
         shared = [e.page for e in hits]
         need = self.pool.pages_for(len(seq.tokens) + 1) - len(shared)
@@ -103,6 +111,18 @@ class AttentionMemory:
                       " after preemption" if recompute else "")
         return True
 
+    def _admit_private(self, seq, recompute: bool) -> bool:
+        """A sequence that must not share prefix pages (Sequence.shares_prefix): pages of its own, none reused, and
+        never registered with the prefix cache (it is not `admitted` there, so register and keep_tail skip it)."""
+        need = self.pool.pages_for(len(seq.tokens) + 1)
+        if need > self.pool.num_free:
+            return False
+        seq.pages = PageList(self.pool.allocate(need), self.pool.page_size)  # may evict idle cached pages
+        seq.num_computed = 0
+        if self.prefix is not None:
+            self._count_hit(seq, recompute)  # its prompt counts, as a miss
+        return True
+
     def _match(self, seq, limit: Limit | None) -> list:
         if self.prefix is None:
             return []
@@ -136,7 +156,7 @@ class AttentionMemory:
         """The GPU prefix-cache entries and host prefix-store pages a windowed sequence starts from: its longest
         cached prefix, cut back to a depth where its steps compute what a cold prefill's compute
         (Tiering.reuse_depth) and, for recurrent layers, to a depth with a state snapshot."""
-        if self.prefix is None or self.kv is None:
+        if self.prefix is None or self.kv is None or not shares_prefix(seq):
             return [], []
         hits = self.prefix.match(seq.tokens)
         stored = []
@@ -213,7 +233,7 @@ class AttentionMemory:
     def release(self, seq) -> None:
         """All its pages back to the pool (a plain sequence's partial last page stays cached as a tail)."""
         if seq.pages.windowed:
-            self.tiers.release(seq.pages, seq.tokens, self.host_prefix)
+            self.tiers.release(seq.pages, seq.tokens, self.host_prefix if shares_prefix(seq) else None)
         elif self.prefix is not None and self.kv is not None and seq.pages:
             self.prefix.keep_tail(seq)  # its partial last page stays cached (idle) for copies
         self.pool.deallocate(seq.pages)

@@ -178,7 +178,7 @@ class StateMemory:
         if verify:
             self.pool.copy(st.slot, st.checkpoint)
             st.verify = (start, n)
-        if not self.max_snapshots:
+        if not self.max_snapshots or not getattr(seq, "shares_prefix", True):  # its snapshots would be reused
             return
         ps = self.page_size
         pos = min(start + n, len(seq.tokens)) // ps * ps  # the deepest page boundary of known tokens this step

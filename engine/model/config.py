@@ -29,8 +29,8 @@ HF_ARCHS = {
     "Qwen3_5MoeForConditionalGeneration": "qwen35",  # the published Qwen3.5/3.6-MoE checkpoints (+ vision tower)
 }
 # Multimodal wrappers whose config.json nests the language model's fields under "text_config" and whose weights
-# hold the text model under "model.language_model." beside a vision tower ("model.visual."), which is not loaded:
-# this engine serves text only.
+# hold the text model under "model.language_model." beside a vision tower ("model.visual."), loaded apart by
+# engine/model/vision_input.py (VisionModel.from_folder).
 HF_TEXT_CONFIG_ARCHS = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 VISION_PREFIX = "model.visual."
 
@@ -105,6 +105,7 @@ class ModelConfig:
     linear: LinearAttentionConfig | None = None  # the recurrent (Gated-DeltaNet) layers' shape, for hybrids
     partial_rotary: float = 1.0  # the share of each head's dims RoPE rotates (Qwen3.5: the first quarter)
     moe: MoEConfig | None = None  # the mixture-of-experts MLPs and the layers that have them; None: all dense
+    mrope_section: tuple[int, ...] = ()  # M-RoPE (Qwen3.5): rotary frequencies per (time, height, width) row
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):

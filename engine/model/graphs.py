@@ -108,6 +108,9 @@ class DecodeGraphs:
         if not works or any(len(w.tokens) != 1 or w.logits not in ("last", "all") for w in works):
             return "not a decode step"  # prefill, mixed and verification steps: expected, not logged
         reason = None
+        if any(getattr(w, "rope_positions", None) is not None or getattr(w, "image_rows", None) is not None
+               for w in works):
+            return "a prompt chunk with images"  # its last prompt token, alone in its step: expected, not logged
         if any(w.pages.windowed for w in works):
             reason = "a windowed (TieredPages) sequence"
         elif getattr(self.model, "keep_hidden", False):
@@ -204,7 +207,7 @@ class DecodeGraphs:
         for i, w in enumerate(works):
             pos = w.start
             used = w.pages[: pos // ps + 1]
-            ids[i], positions[i], ctx[i] = w.tokens[0], pos, pos + 1
+            ids[i], positions[i], ctx[i] = w.tokens[0], pos + getattr(w, "rope_delta", 0), pos + 1
             slots[i] = w.pages[pos // ps] * ps + pos % ps
             table[i, :len(used)] = torch.tensor(used, dtype=torch.long)
             if w.state is not None:
@@ -221,13 +224,16 @@ class DecodeGraphs:
         if rotary is not None and top >= rotary.cos.shape[0]:  # grow the tables outside any graph, then recapture
             rotary._extend(top + 1)
             self.entries.clear()
-        if self.compiled is not None and len(works) == 1:  # one sequence: the compiled CPU step (cpu_step.py)
+        # a sequence after images rotates at index + rope_delta: the compiled and C++ steps take one position for its
+        # KV slot and its rotation, so such a step runs the static forward below, which is given both
+        shifted = any(getattr(w, "rope_delta", 0) for w in works)
+        if self.compiled is not None and len(works) == 1 and not shifted:  # one sequence: the compiled CPU step
             logits = self.compiled.run(works[0])
             if logits is not None:
                 self.steps += 1
                 self._save_states(works)
                 return [logits]
-        if self.fused is not None:  # the CPU's whole step in one C++ call (cpu_fused.py)
+        if self.fused is not None and not shifted:  # the CPU's whole step in one C++ call (cpu_fused.py)
             out = self.fused.run(works)
             self.steps += 1
             self._save_states(works)

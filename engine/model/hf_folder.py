@@ -73,6 +73,7 @@ def read_config(folder: Path) -> ModelConfig:
             linear=_linear_attention(raw),
             partial_rotary=float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
             moe=moe,
+            mrope_section=tuple(int(n) for n in rope.get("mrope_section") or ()),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{path}: field {e} is missing or malformed.", "Download the model folder again.") from None
@@ -223,9 +224,10 @@ def load_folder(folder: Path, progress: Progress | None = None,
                              "The file is truncated or damaged; download it again.") from None
     names = [(h, k) for h in handles for k in h.keys()]
     vision = [k for _, k in names if k.startswith(VISION_PREFIX)]
-    if vision:  # never read: text-only serving
+    if vision:  # the text model's weights only: engine/build.py loads the tower itself (engine/model/vision_input.py)
         names = [(h, k) for h, k in names if not k.startswith(VISION_PREFIX)]
-        log.info("%s: the vision tower (%d tensors under %s*) is not loaded; this engine serves text only",
+        log.info("%s: the vision tower (%d tensors under %s*) is loaded apart from the text model "
+                 "(engine/model/vision_input.py); without its image processor the engine serves text only",
                  folder.name, len(vision), VISION_PREFIX)
     ticker = Ticker(len(names), progress, cancel)
     tensors: dict[str, torch.Tensor] = {}

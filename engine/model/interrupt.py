@@ -58,4 +58,5 @@ def without(batch: ForwardBatch, keep: list[int]) -> tuple[ForwardBatch, torch.T
         input_ids=batch.input_ids.index_select(0, index), positions=positions,
         slots=batch.slots.index_select(0, index), seqs=seqs, kv=batch.kv, state=batch.state,
         logit_rows=None if wanted is None else torch.tensor(logit_rows, dtype=torch.long, device=dev),
-        max_position=int(positions.max()) if rows else 0), index
+        max_position=int(positions.max()) if rows else 0,
+        rope_positions=None if batch.rope_positions is None else batch.rope_positions.index_select(1, index)), index

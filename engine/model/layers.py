@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from engine.errors import ModelLoadError
 from engine.batch import ForwardBatch
+from engine.model.vision_positions import mrope_angles
 from kernels import cpu_native, dispatch
 
 
@@ -71,14 +72,21 @@ class Rotary:
         cos, sin = self.cos[positions], self.sin[positions]
         return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
+    def mrope_tables(self, positions: torch.Tensor, section) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables of tables() for M-RoPE positions [3, T] (engine/model/vision_positions.mrope_angles,
+        `section` the config's mrope_section), on every device: a step with images rotates on the torch path."""
+        angles = mrope_angles(positions, self.inv_freq, section).to(positions.device)
+        cos, sin = angles.cos(), angles.sin()
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, max_position: int,
                  tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x: [T, H, D]; rotates each head of each token by its position (`tables`: this step's, from tables())."""
         if max_position >= self.cos.shape[0]:
             self._extend(max_position + 1)
-        if dispatch.use_triton(x.device):
+        if tables is None and dispatch.use_triton(x.device):
             return dispatch.rope(x, positions, self.cos, self.sin)
-        c, s = tables or self.tables(positions, max_position)
+        c, s = tables if tables is not None else self.tables(positions, max_position)
         half = x.shape[-1] // 2
         xf = x if x.dtype == torch.float32 else x.float()
         out = xf * c + torch.cat((xf[..., half:], xf[..., :half]), -1) * s

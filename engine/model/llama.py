@@ -170,12 +170,24 @@ class LlamaModel:
             return torch.empty(0, self.cfg.vocab_size, device=self.device)
         return self.lm_head(x).float()
 
+    def rope_tables(self, batch: ForwardBatch) -> tuple | None:
+        """This step's rotation tables for every layer: M-RoPE's for a step with 3-row positions (images), else
+        Rotary.tables (None where the Triton kernel rotates)."""
+        if batch.rope_positions is not None:
+            if not self.cfg.mrope_section:
+                raise ValueError(f"{self.cfg.arch}: 3-row (M-RoPE) positions need the config's mrope_section")
+            return self.rotary.mrope_tables(batch.rope_positions, self.cfg.mrope_section)
+        return self.rotary.tables(batch.positions, batch.max_position)
+
     def final_hidden(self, batch: ForwardBatch, interrupt: Interrupt | None = None) -> torch.Tensor | None:
         """The final norm's output for batch.logit_rows (every token when None): what the output layer reads; None
         when `interrupt` took every sequence out. The compiled CPU decode step (engine/model/cpu_step.py) runs this."""
         x = embed_rows(self.embed, batch.input_ids).to(self.dtype)
+        if batch.image_rows is not None:  # a prompt chunk with images: the tower's rows replace the lookup's
+            rows, values = batch.image_rows
+            x = x.index_copy(0, rows, values.to(x.dtype))
         residual = None
-        tables = self.rotary.tables(batch.positions, batch.max_position)
+        tables = self.rope_tables(batch)
         for layer, ordinal in zip(self.layers, self.ordinals):
             cut = interrupt.cut(batch) if interrupt is not None else None
             if cut is not None:
@@ -183,7 +195,7 @@ class LlamaModel:
                 if not batch.seqs:
                     return None
                 x, residual = x.index_select(0, rows), None if residual is None else residual.index_select(0, rows)
-                tables = self.rotary.tables(batch.positions, batch.max_position)
+                tables = self.rope_tables(batch)
             x, residual = layer.forward(x, residual, ordinal, batch, self.rotary, tables)
         x = residual + x
         if self.keep_hidden:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tests.engine.qwen35_models import perturb, tiny_config
+from tests.engine.qwen35_models import perturb, save_for_engine, tiny_config
 
 # token ids inside the tiny vocabulary (256)
 IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 250, 251, 252, 253
@@ -59,14 +59,15 @@ def perturb_vision(model, scale: float = 0.3) -> None:
 
 
 def tiny_vl_checkpoint(folder: Path, seed: int = 0):
-    """(transformers model, folder): the seeded, perturbed tiny VL model saved with its image processor."""
+    """(transformers model, folder): the seeded, perturbed tiny VL model saved with its image processor and a
+    word-level tokenizer, where load_model / build_engine read it (generation with no end-of-sequence token)."""
     from transformers import Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(seed)
     hf = Qwen3_5ForConditionalGeneration(tiny_vl_config()).eval()
     perturb(hf)
     perturb_vision(hf)
-    hf.save_pretrained(folder)
+    save_for_engine(hf, folder)
     image_processor().save_pretrained(folder)
     return hf, folder
 
