@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -19,6 +20,10 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define NINFER_AVX2_F16C 1  // AVX2, FMA and F16C: the vector paths of every unit
+#endif
+#if defined(NINFER_AVX2_F16C) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define NINFER_AVX512_VNNI 1  // the low-bit GEMV's 512-bit path (cpu_vnni.cpp)
 #endif
 
 namespace ninfer {
@@ -41,10 +46,22 @@ constexpr int64_t MAX_BLOCKS = 1024;  // blocks a row may have (K up to 32,768)
 struct Rows {  // M rows of activations rounded to int16: q [M, K], per block: the step dx and the float32 sum sx
   std::vector<int16_t> q;
   std::vector<float> dx, sx;
+  bool wide = false;  // q in the order of the 512-bit path (cpu_vnni.cpp), which then reads them
 };
 
-// x [M, K] rounded to int16 per block of QB (interleaved: a block's evens first, then its odds, for 4-bit codes)
-void round_rows(const float* x, int64_t M, int64_t K, bool interleaved, Rows& r);
+// x [M, K] rounded to int16 per block of QB (interleaved: a block's evens first, then its odds, for 4-bit codes;
+// wide: in pairs of blocks, for cpu_vnni.cpp's path: the same values in another order)
+void round_rows(const float* x, int64_t M, int64_t K, bool interleaved, Rows& r, bool wide = false);
+// the GEMV's code path now: 0 AVX2, 1 AVX-512 VNNI (cpu_vnni.cpp; the widest built is the default)
+int gemv_level();
+// whether the GEMV's threads take its weight rows in chunks from a shared counter (1) or one share each (0)
+int gemv_dynamic();
+#ifdef NINFER_AVX512_VNNI
+// rows r0 .. r1 of x (rounded wide) against weight row n (its codes c, per-block scales d, mins m) into y + r * N
+template <bool FOUR, typename S>
+void wide_row(const Rows& xr, int64_t r0, int64_t r1, int64_t K, int64_t N, const uint8_t* c, const S* d, const S* m,
+              bool sym, float* y);
+#endif
 // y [M, N] = rows xr @ W.T for 4-bit (FOUR) or int8 codes cp, scales dp and mins mp of type S, groups of G
 template <bool FOUR, typename S>
 void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp, const S* dp,

@@ -15,11 +15,14 @@ constexpr int64_t PREFETCH = 4;  // weight rows read ahead
 constexpr int64_t M_BLOCK = 64;  // rows of x a pass over the weight rows takes (32-wide groups)
 
 // interleaved (4-bit codes): a block's rounded values are stored evens first, then odds, the order its nibbles unpack in
-void round_rows(const float* x, int64_t M, int64_t K, bool interleaved, Rows& r) {
-  const int64_t blocks = M * (K / QB);
+// wide: a pair of blocks holds [first half of block 2p, of 2p + 1, second half of 2p, of 2p + 1] (halves: evens and
+// odds when interleaved, else values 0-15 and 16-31); a row's last block, when its count is odd, [first, second half]
+void round_rows(const float* x, int64_t M, int64_t K, bool interleaved, Rows& r, bool wide) {
+  const int64_t B = K / QB, blocks = M * B;
   r.q.resize(M * K);
   r.dx.resize(blocks);
   r.sx.resize(blocks);
+  r.wide = wide;
   for (int64_t i = 0; i < blocks; ++i) {
     const float* xb = x + i * QB;
     float amax = 0.f, s = 0.f;
@@ -30,10 +33,14 @@ void round_rows(const float* x, int64_t M, int64_t K, bool interleaved, Rows& r)
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     r.dx[i] = amax / 32767.f;
     r.sx[i] = s;
-    int16_t* qb = r.q.data() + i * QB;
+    const int64_t o = (i % B) & 1;  // wide: the second block of its pair
+    const bool pair = wide && !((B & 1) && i % B == B - 1);
+    int16_t* qb = r.q.data() + (pair ? (i - o) * QB + o * (QB / 2) : i * QB);
+    const int64_t stride = pair ? QB : QB / 2;  // from a block's first half to its second
     for (int j = 0; j < QB; ++j) {
       const float v = std::min(32767.f, std::max(-32767.f, std::nearbyint(xb[j] * inv)));
-      qb[interleaved ? (j & 1) * (QB / 2) + j / 2 : j] = static_cast<int16_t>(v);
+      const int half = interleaved ? j & 1 : j / (QB / 2), at = interleaved ? j / 2 : j % (QB / 2);
+      qb[half * stride + at] = static_cast<int16_t>(v);
     }
   }
 }
@@ -220,7 +227,7 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
   const int64_t groups = K / G, row_bytes = FOUR ? K / 2 : K;
   // rows of x in blocks of M_BLOCK (their int16 values stay in L2) when the groups are the blocks; else all at once
   const int64_t m_step = G == QB ? M_BLOCK : std::max<int64_t>(M, 1);
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+  auto run = [&](int64_t n0, int64_t n1) {
    for (int64_t r0 = 0; r0 < M; r0 += m_step) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* c = cp + n * row_bytes;
@@ -231,6 +238,18 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
         for (int64_t o = 0; o < row_bytes; o += 64) _mm_prefetch(f + o, _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(dp + (n + PREFETCH) * groups), _MM_HINT_T0);
         if (mp) _mm_prefetch(reinterpret_cast<const char*>(mp + (n + PREFETCH) * groups), _MM_HINT_T0);
+      }
+#endif
+#ifdef NINFER_AVX512_VNNI
+      if (xr.wide) {  // rounded for the 512-bit path (cpu_vnni.cpp)
+        if (G == QB) {
+          wide_row<FOUR, S>(xr, r0, std::min(M, r0 + m_step), K, N, c, d, m, sym, yp + n);
+        } else {
+          float ds[MAX_BLOCKS], ms[MAX_BLOCKS];
+          block_table(d, m, sym, groups, G / QB, ds, ms);
+          wide_row<FOUR, float>(xr, r0, std::min(M, r0 + m_step), K, N, c, ds, m || sym ? ms : nullptr, false, yp + n);
+        }
+        continue;
       }
 #endif
 #ifdef NINFER_AVX2_F16C
@@ -254,6 +273,17 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
       for (; r < M; ++r) lowbit_rows<1, FOUR, S>(xr, r, K, G, c, d, m, sym, yp + r * N + n, N);
     }
    }
+  };
+  if (!gemv_dynamic()) {
+    at::parallel_for(0, N, 16, run);  // one contiguous share per thread
+    return;
+  }
+  // the weight rows in chunks the threads take in turn: a thread the OS holds back (another process on its core)
+  // leaves its rows to the others instead of making them wait for it at the end
+  const int64_t T = at::get_num_threads(), chunk = std::max<int64_t>(16, N / (8 * T));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, T, 1, [&](int64_t, int64_t) {
+    for (int64_t n0 = next.fetch_add(chunk); n0 < N; n0 = next.fetch_add(chunk)) run(n0, std::min(N, n0 + chunk));
   });
 }
 
@@ -285,7 +315,7 @@ void lowbit_into(const float* x, int64_t M, int64_t K, const at::Tensor& codes, 
   const bool four = codes.scalar_type() == at::kByte;
   const int64_t N = codes.size(0), G = K / scales.size(1);
   thread_local Rows xr;
-  round_rows(x, M, K, four, xr);
+  round_rows(x, M, K, four, xr, gemv_level() > 0);
   const auto* cp = static_cast<const uint8_t*>(codes.data_ptr());
   if (scales.scalar_type() == at::kFloat) {
     const float *dp = scales.data_ptr<float>(), *mp = mins ? mins->data_ptr<float>() : nullptr;

@@ -1,5 +1,5 @@
 """CPU kernels in C++ (kernels/cpu_native.cpp, cpu_output.cpp, cpu_dense.cpp, cpu_decode.cpp, cpu_moe.cpp,
-cpu_hybrid.cpp: one translation unit each, what they share declared in cpu_kernels.h), built on first use for the
+cpu_hybrid.cpp, cpu_vnni.cpp: one translation unit each, what they share declared in cpu_kernels.h), built on first use for the
 machine they run on into one library.
 
 * `q8_linear(x, qw)`: y = x @ dequantize(qw).T in float32 for grouped int8 weights (codes c, float32 scales d and
@@ -14,7 +14,9 @@ machine they run on into one library.
   step of max|x| / 32767: finer than the bfloat16 that ATen's int4 kernel rounds them to) and multiplied as integers,
   16 products an instruction with AVX2; mins meet exact float32 block sums of x. Twin: `reference.lowbit_linear_ref`.
   Decode and verification steps of the decoder layers use it (kernels/dispatch.py); about 3x faster than ATen's
-  int4 kernel on a CPU without AVX-512 (docs/KERNELS.md).
+  int4 kernel on a CPU without AVX-512 (docs/KERNELS.md). On a CPU with AVX-512 VNNI (kernels/cpu_vnni.cpp) the
+  same int16 products run 32 an instruction (`vpdpwssd`): the same integer sums, only the float32 summation of the
+  blocks' products differs. `gemv_paths()` / `gemv_path(name)` name and switch the code path (benchmarks: A/B).
 
 * `dense_linear(x, w, bias)`: y = x @ w.T (+ bias) for a few float32 rows and a float32 weight (the decode steps of
   a dense float32 model), reading each weight row once for up to four rows: about 2x ATen's float32 GEMV on two AVX2
@@ -42,7 +44,7 @@ from kernels.quant import QuantizedWeight
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name)  # one translation unit each, linked into one library
            for name in ("cpu_native.cpp", "cpu_output.cpp", "cpu_dense.cpp", "cpu_decode.cpp", "cpu_moe.cpp",
-                        "cpu_hybrid.cpp")]
+                        "cpu_hybrid.cpp", "cpu_vnni.cpp")]
 HEADERS = [os.path.join(_HERE, "cpu_kernels.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -105,6 +107,9 @@ def ready() -> str | None:
         _state["decode_step"] = torch.ops.ninfer_cpu.decode_step.default
         _state["dense"] = torch.ops.ninfer_cpu.dense_linear.default
         _state["hybrid_step"] = torch.ops.ninfer_cpu.hybrid_step.default
+        _state["gemv_isa"] = torch.ops.ninfer_cpu.gemv_isa.default
+        _state["gemv_widest"] = int(_state["gemv_isa"](-1))
+        _state["gemv_split"] = torch.ops.ninfer_cpu.gemv_split.default
         _register_shapes()
     except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -147,6 +152,53 @@ def lowbit_op():
 def lowbit_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     """[M, K] float32 -> [M, N] float32; `ready()` must have returned None and `lowbit_supported(qw)` be true."""
     return _state["lowbit"](x, qw.qweight, qw.scales, qw.mins, qw.format == "int4_sym")
+
+
+# the low-bit GEMV's code paths, by the level kernels/cpu_vnni.cpp's gemv_isa takes
+GEMV_PATHS = ("avx2", "avx512-vnni")
+
+
+def gemv_paths() -> list[str]:
+    """The low-bit GEMV's code paths this build has (the default, the widest, last); `loaded()` must be true. A
+    machine without AVX2 has one portable path, named "avx2" here all the same."""
+    return list(GEMV_PATHS[:_state["gemv_widest"] + 1])
+
+
+class gemv_path:
+    """`with gemv_path(name):` lowbit_linear, q8_linear and the decode steps' GEMVs take the code path `name` (one
+    of gemv_paths()) within the block; for benchmarks, which alternate the paths in one process."""
+
+    def __init__(self, name: str):
+        if name not in gemv_paths():
+            raise ValueError(f"GEMV path {name!r} is not in this build, which has {', '.join(gemv_paths())}")
+        self.level = GEMV_PATHS.index(name)
+
+    def __enter__(self):
+        self.before = _state["gemv_isa"](self.level)
+        return self
+
+    def __exit__(self, *exc):
+        _state["gemv_isa"](self.before)
+
+
+GEMV_SPLITS = ("static", "dynamic")  # one contiguous share of the weight rows per thread, or chunks taken in turn
+
+
+class gemv_split:
+    """`with gemv_split(name):` the GEMVs' threads split the weight rows `name`-ly (GEMV_SPLITS; the default is
+    dynamic: a thread held back by another process leaves its rows to the others); for benchmarks."""
+
+    def __init__(self, name: str):
+        if name not in GEMV_SPLITS:
+            raise ValueError(f"GEMV split {name!r}: choose {' or '.join(GEMV_SPLITS)}")
+        self.value = GEMV_SPLITS.index(name)
+
+    def __enter__(self):
+        self.before = _state["gemv_split"](self.value)
+        return self
+
+    def __exit__(self, *exc):
+        _state["gemv_split"](self.before)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -76,7 +76,7 @@ void twice_rounded_into(const float* x, int64_t M, int64_t K, const at::Tensor& 
       lo[k] = x[i * K + k] - static_cast<float>(once.q[i * K + k]) * once.dx[i * B + k / QB];
     }
   }
-  round_rows(both.data(), 2 * M, K, false, xr);
+  round_rows(both.data(), 2 * M, K, false, xr, gemv_level() > 0);
   for (int64_t i = 0; i < M; ++i) std::fill_n(xr.sx.data() + (2 * i + 1) * B, B, 0.f);
   y2.resize(2 * M * N);
   const float* mp = mins ? mins->data_ptr<float>() : nullptr;

@@ -21,10 +21,10 @@ import torch
 from engine.build import build_engine
 from engine.errors import NInferError
 from engine.sampling import SamplingParams
-from engine.tools.bench import api, peer_llamacpp, speculative, step_profile
-from engine.tools.bench.machine import LoadMeter, machine_facts
-from engine.tools.bench.measure import (bench_engine, build_prompt, decode_bytes_per_token, format_table, ratios,
-                                        summarise)
+from engine.tools.bench import api, gemv, peer_llamacpp, speculative, step_profile
+from engine.tools.bench.machine import LoadMeter, machine_facts, measure_read_bandwidth
+from engine.tools.bench.measure import (add_roofline, bench_engine, build_prompt, decode_bytes_per_token, format_table,
+                                        ratios, summarise)
 from engine.tools.bench.peer_transformers import bench_transformers, load_transformers
 
 
@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-steps", type=int, default=0, metavar="N",
                    help="NInfer only: also profile N decode steps by operator, ATen and the project's C++ kernels "
                         "(torch.profiler)")
+    p.add_argument("--gemv", action="store_true",
+                   help="instead: the C++ low-bit GEMVs alone at sizes beyond the last-level cache, in GB/s against "
+                        "the stream read bandwidth (engine/tools/bench/gemv.py; no model is loaded)")
+    p.add_argument("--gemv-formats", default=",".join(gemv.FORMATS), help="for --gemv: weight formats (default: all)")
+    p.add_argument("--gemv-shapes", default=gemv.DEFAULT_SHAPES, help="for --gemv: OUTxIN weight shapes")
+    p.add_argument("--gemv-rows", type=int, default=1, help="for --gemv: rows of activations (1: decode)")
     p.add_argument("--via-api", action="store_true",
                    help="also measure through the HTTP server (streaming) and compare with engine-direct")
     return p
@@ -86,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     threads_before = torch.get_num_threads()
     try:
+        if args.gemv:
+            return gemv.run_from_args(args, "ninfer-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
         return _run(args, "ninfer-bench " + " ".join(argv if argv is not None else sys.argv[1:]))
     finally:
         torch.set_num_threads(threads_before)  # main() may be called in-process (tests): leave no trace
@@ -169,7 +177,11 @@ def _run(args, command: str) -> int:
             theirs = dict(summarise(peer_runs, len(prompt), args.gen_tokens, decode_bytes_per_token(
                 peer.weight_bytes, kv_f16, len(prompt), args.gen_tokens)), weight_bytes=peer.weight_bytes)
             ratio = ratios(ours, theirs)
-    facts = machine_facts(loaded, threads)
+    stream = measure_read_bandwidth(loaded.device)  # after the runs: the peer's memory is freed
+    facts = machine_facts(loaded, threads, stream)
+    for column in (ours, theirs):
+        if column:
+            add_roofline(column, stream["gbps"])
     facts["other processes' CPU load"] = f"{meter.cores:.2f} cores (mean while benchmarking; 0 = quiet machine)"
     facts["decode steps"] = decode_path(loaded.engine.runner)
     command = command.strip()
@@ -184,8 +196,8 @@ def _run(args, command: str) -> int:
         print(f"ninfer-bench: {peer_error}", file=sys.stderr)
     if args.json:
         peer = {"peer": args.compare, args.compare: theirs} if theirs else {"peer": None}  # under its own name
-        result = dict(command=command, machine=facts, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                      repeat=args.repeat, ninfer=ours, **peer, ratio=ratio, via_api=through_api,
+        result = dict(command=command, machine=facts, stream_read=stream, prompt_tokens=args.prompt_tokens,
+                      gen_tokens=args.gen_tokens, repeat=args.repeat, ninfer=ours, **peer, ratio=ratio, via_api=through_api,
                       profile=profiled and {k: v for k, v in profiled.items() if k != "table"},
                       **({"peer_error": peer_error} if peer_error else {}))
         args.json.write_text(json.dumps(result, indent=2))

@@ -4,7 +4,9 @@
 A run is a dict with ttft_s (submit -> first token), decode_s (first -> last token) and tokens; every engine measured
 (ours, through the API, or a peer) is summarised by `summarise`. Decode bandwidth is reported the way gpt-fast does:
 the bytes one decode step must read (all weights, plus the KV cache at the mean context) times decode tokens per
-second.
+second. Against the machine's stream read bandwidth (machine.measure_read_bandwidth) that gives the roofline: the
+tok/s a decode that only read its bytes at that bandwidth would reach, and the fraction of it measured
+(`add_roofline`).
 """
 from __future__ import annotations
 
@@ -52,6 +54,16 @@ def summarise(runs: list[dict], prompt_tokens: int, gen_tokens: int, bytes_per_t
     return dict(ttft_s=ttft, prefill_tps=prompt_tokens / ttft, decode_tps=decode_tps,
                 decode_gbps=bytes_per_token * decode_tps / 1e9, bytes_per_decode_token=bytes_per_token,
                 runs=[{k: v for k, v in r.items() if k != "tokens"} for r in runs], tokens=runs[-1]["tokens"])
+
+
+def add_roofline(column: dict, stream_gbps: float) -> dict:
+    """Adds roofline_tps (stream bandwidth / bytes per decode token) and roofline_fraction (decode tok/s / that, =
+    bytes x tok/s / bandwidth) to a summarised column that knows its bytes per token; others are left as they are."""
+    per_token = column.get("bytes_per_decode_token") or 0.0
+    if per_token > 0 and stream_gbps > 0 and column.get("decode_tps"):
+        column["roofline_tps"] = stream_gbps * 1e9 / per_token
+        column["roofline_fraction"] = column["decode_tps"] / column["roofline_tps"]
+    return column
 
 
 def bench_engine(loaded, prompt_ids: list[int], gen_tokens: int, repeat: int = 3,
@@ -105,10 +117,26 @@ def format_table(facts: dict, ours: dict, theirs: dict | None, ratio: dict | Non
         other = fmt(theirs[key]) if theirs else "-"
         r = f"{ratio[key]:.2f}" if ratio and key in ratio else "-"
         lines.append(f"| {label:<14} | {fmt(ours[key]):>10} | {other:>12} | {r:>6} |")
+    lines += _roofline_rows(ours, theirs)
     lines.append("")
     lines.append(f"ratio > 1 means ninfer is better: ninfer/{peer} for throughput, {peer}/ninfer for TTFT.")
+    if "roofline_tps" in ours:
+        lines.append("roofline: the stream read bandwidth / bytes read per decode token; decode/roofline = "
+                     "decode tok/s / roofline tok/s.")
     if theirs:
         same = next((i for i, (a, b) in enumerate(zip(ours["tokens"], theirs["tokens"])) if a != b),
                     len(ours["tokens"]))
         lines.append(f"greedy outputs agree on the first {same} of {len(ours['tokens'])} tokens.")
     return "\n".join(lines)
+
+
+def _roofline_rows(ours: dict, theirs: dict | None) -> list[str]:
+    """The table's rows for the roofline (none when the bandwidth was not measured): each column's own bytes."""
+    if "roofline_tps" not in ours:
+        return []
+    rows = []
+    for key, label, fmt in (("roofline_tps", "roofline tok/s", lambda v: f"{v:.1f}"),
+                            ("roofline_fraction", "decode/roofln", lambda v: f"{v:.2f}")):
+        other = fmt(theirs[key]) if theirs and key in theirs else "-"
+        rows.append(f"| {label:<14} | {fmt(ours[key]):>10} | {other:>12} | {'-':>6} |")
+    return rows
