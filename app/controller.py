@@ -89,6 +89,10 @@ class Controller(LibraryMixin, BackendMixin, QObject):
         if s is None:
             return "Starting the engine…" if self.starting else "Engine stopped"
         if s.status == "loading":
+            from engine.build import WARMUP
+
+            if s.message.startswith(WARMUP):  # the weights are in: say which phase of the warm-up runs
+                return f"Warming up: {s.message.removeprefix(WARMUP)}…"
             return f"Loading the model… {s.progress:.0%}"
         if s.status == READY:
             loaded = s.state.loaded

@@ -220,8 +220,9 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
     if (dev.type == "cpu" or host_experts) and c.cpu_compile != "off":
         use_kernel_cache()
         if not cpu_native.loaded():
-            _warming(progress, "compiling the C++ decode kernels for this CPU (the first start only, a minute or "
-                               "so; later starts load them)")
+            _warming(progress, "loading the C++ decode kernels built for this CPU" if cpu_native.built() else
+                     "compiling the C++ decode kernels for this CPU (the first start only, a minute or so; later "
+                     "starts load them)")
         done = use_cpu_kernel(net)
         if done is None:
             log.warning("decoder layers: the C++ decode kernels are not available (%s); they decode through ATen's "

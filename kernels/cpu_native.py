@@ -127,6 +127,14 @@ def q8_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
     return _state["op"](x, qw.qweight, qw.scales, qw.mins)
 
 
+def built() -> bool:
+    """Whether this CPU's build of the kernels is in the kernel cache already (loading it then takes a second, no
+    compiler); never builds."""
+    key = build_key(_source())
+    folder = build_dir(key)
+    return folder is not None and os.path.isfile(os.path.join(folder, f"ninfer_cpu_{key}.so"))
+
+
 def loaded() -> bool:
     """Whether the kernels are loaded (`ready()` ran and succeeded); never builds."""
     return "op" in _state

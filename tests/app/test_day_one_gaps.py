@@ -313,3 +313,21 @@ def test_the_warm_up_says_it_compiles_the_kernels(qapp, qloop, app_home, request
     wait_until(lambda: "Warming up: checking the converted weights" in launcher.status.text(), 5000)
     QTest.mouseClick(launcher.cancel_button, Qt.MouseButton.LeftButton)
     wait_until(lambda: controller.service is None and not launcher.loading, 10_000)
+
+
+def test_the_status_bar_says_warming_up_once_the_weights_of_a_switch_are_in(chat_window):
+    """The main window's status bar read "Loading the model… 100%" through a switch's whole warm-up."""
+    from engine.build import WARMUP
+
+    controller, window, _ = chat_window
+    service = FakeService()
+    service.status, service.progress, service.message = "loading", 0.42, "loading model.layers.3.mlp"
+    controller.service = service
+    controller.state_changed.emit()
+    wait_until(lambda: window.status_label.text() == "Loading the model… 42%", 5000)
+    service.progress, service.message = 1.0, WARMUP + "sizing the KV cache and building the engine"
+    controller.state_changed.emit()
+    wait_until(lambda: "Warming up" in window.status_label.text(), 5000)
+    assert window.status_label.text() == "Warming up: sizing the KV cache and building the engine…"
+    controller.service = None
+    service.stop()
