@@ -135,6 +135,18 @@ async def drive(app, controller, out: Path) -> None:
     print(f"{len(shots)} screenshots in {out}", flush=True)
 
 
+async def start_embedded(controller, max_context: int):
+    """The launcher started on the embedded model (cpu-default, a free port) until the main window serves it."""
+    launcher = controller.launcher
+    launcher.apply_config({"model": None, "preset": "cpu-default",
+                           "values": {"port": _free_port(), "max_context": max_context, "max_concurrency": 2}})
+    launcher.show()
+    await _until(launcher.start_button.isEnabled, 180, "Start to be enabled")
+    launcher.start()
+    await _until(lambda: controller.window is not None and controller.mode is not None, 300, "the model to load")
+    return controller.window
+
+
 def screen_saver(app, out: Path):
     """``await save(name)``: the whole X screen (window frames included) as out/NAME-WxH.png, once the window
     manager has placed what was just shown."""

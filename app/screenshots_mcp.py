@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from app.screenshots import _free_port, _until, run_session, screen_saver
+from app.screenshots import _until, run_session, screen_saver, start_embedded
 
 QUESTION = "Which directories may you read? Use a tool."
 READ_ONLY = ("list_", "read_", "get_", "search_", "directory_tree")  # the filesystem server's tools that change nothing
@@ -39,13 +39,7 @@ async def drive(app, controller, out: Path, work: Path) -> None:
         raise SystemExit("mcp-server-filesystem is not installed: npm install -g @modelcontextprotocol/server-filesystem")
     save = screen_saver(app, out)
 
-    launcher = controller.launcher
-    launcher.apply_config({"model": None, "preset": "cpu-default",
-                           "values": {"port": _free_port(), "max_context": 4096, "max_concurrency": 2}})
-    launcher.show()
-    await _until(launcher.start_button.isEnabled, 180, "Start to be enabled")
-    launcher.start()
-    await _until(lambda: controller.window is not None and controller.mode is not None, 300, "the model to load")
+    await start_embedded(controller, 4096)
     chat = controller.window.chat
     chat.tools.path.parent.mkdir(parents=True, exist_ok=True)
     chat.tools.path.write_text(json.dumps({"mcpServers": {"files": {"command": command,

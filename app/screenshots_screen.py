@@ -15,7 +15,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from app.screenshots import _free_port, _until, run_session, screen_saver
+from app.screenshots import _until, run_session, screen_saver, start_embedded
 
 
 def _models_folder(work: Path) -> Path:
@@ -45,14 +45,7 @@ async def drive(app, controller, out: Path, work: Path) -> None:
 
     save = screen_saver(app, out)
 
-    launcher = controller.launcher
-    launcher.apply_config({"model": None, "preset": "cpu-default",
-                           "values": {"port": _free_port(), "max_context": 2048, "max_concurrency": 2}})
-    launcher.show()
-    await _until(launcher.start_button.isEnabled, 180, "Start to be enabled")
-    launcher.start()
-    await _until(lambda: controller.window is not None and controller.mode is not None, 300, "the model to load")
-    window = controller.window
+    window = await start_embedded(controller, 2048)
     await save("main")
 
     controller.config.set(FOLDERS_KEY, [str(_models_folder(work))])
@@ -75,6 +68,7 @@ async def drive(app, controller, out: Path, work: Path) -> None:
                  "the server to open to the network")
     _trigger(window, "Change model or settings…")
     await _until(lambda: controller.window is None or not controller.window.isVisible(), 60, "the launcher")
+    launcher = controller.launcher
     await _until(lambda: launcher.isVisible() and launcher.start_button.isEnabled(), 120, "the launcher's checks")
     await save("launcher-change-model")
 

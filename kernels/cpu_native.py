@@ -79,6 +79,14 @@ def build_dir(key: str) -> str | None:
     return os.path.join(os.path.dirname(root), "cpu_native", key) if root else None
 
 
+def _this_build() -> tuple[str, str | None]:
+    """(key, folder) of this CPU's build of the current sources; the key is worked out once per process (it reads
+    every source file), the folder from where the kernel cache is now."""
+    if "key" not in _state:
+        _state["key"] = build_key(_source())
+    return _state["key"], build_dir(_state["key"])
+
+
 def build_key(source: str) -> str:
     """A hash of the source, the flags, torch's version and the CPU's features: another CPU gets another build."""
     text = source + " ".join(FLAGS) + torch.__version__ + _cpu_features()
@@ -94,8 +102,7 @@ def ready() -> str | None:
         return _state["error"]
     try:
         from torch.utils.cpp_extension import load
-        key = build_key(_source())
-        folder = build_dir(key)
+        key, folder = _this_build()
         if folder is not None:
             os.makedirs(folder, exist_ok=True)
         load(f"ninfer_cpu_{key}", sources=SOURCES, extra_include_paths=[_HERE], is_python_module=False,
@@ -130,8 +137,7 @@ def q8_linear(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
 def built() -> bool:
     """Whether this CPU's build of the kernels is in the kernel cache already (loading it then takes a second, no
     compiler); never builds."""
-    key = build_key(_source())
-    folder = build_dir(key)
+    key, folder = _this_build()
     return folder is not None and os.path.isfile(os.path.join(folder, f"ninfer_cpu_{key}.so"))
 
 

@@ -108,8 +108,7 @@ class DecodeGraphs:
         if not works or any(len(w.tokens) != 1 or w.logits not in ("last", "all") for w in works):
             return "not a decode step"  # prefill, mixed and verification steps: expected, not logged
         reason = None
-        if any(getattr(w, "rope_positions", None) is not None or getattr(w, "image_rows", None) is not None
-               for w in works):
+        if any(w.rope_positions is not None or w.image_rows is not None for w in works):
             return "a prompt chunk with images"  # its last prompt token, alone in its step: expected, not logged
         if any(w.pages.windowed for w in works):
             reason = "a windowed (TieredPages) sequence"
@@ -207,7 +206,7 @@ class DecodeGraphs:
         for i, w in enumerate(works):
             pos = w.start
             used = w.pages[: pos // ps + 1]
-            ids[i], positions[i], ctx[i] = w.tokens[0], pos + getattr(w, "rope_delta", 0), pos + 1
+            ids[i], positions[i], ctx[i] = w.tokens[0], pos + w.rope_delta, pos + 1
             slots[i] = w.pages[pos // ps] * ps + pos % ps
             table[i, :len(used)] = torch.tensor(used, dtype=torch.long)
             if w.state is not None:
@@ -226,7 +225,7 @@ class DecodeGraphs:
             self.entries.clear()
         # a sequence after images rotates at index + rope_delta: the compiled and C++ steps take one position for its
         # KV slot and its rotation, so such a step runs the static forward below, which is given both
-        shifted = any(getattr(w, "rope_delta", 0) for w in works)
+        shifted = any(w.rope_delta for w in works)
         if self.compiled is not None and len(works) == 1 and not shifted:  # one sequence: the compiled CPU step
             logits = self.compiled.run(works[0])
             if logits is not None:
