@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One non-interactive turn of Codex CLI (Responses API) and Claude Code (Anthropic Messages API) against
-# ninfer-serve on the default model. Installs both agents from npm into a temporary folder, starts the server
-# behind a small logging proxy (which prints what each agent sent), runs `codex exec` and `claude -p`, and checks
-# that each exits 0 with a non-empty answer. Exit status 0 when both pass.
+# ninfer-serve on the default model. Starts the server behind a small logging proxy (which prints what each agent
+# sent) and, while the model loads, installs both agents from npm (pinned versions once, into
+# ~/.cache/ninfer/agent-check, reused after; "latest" into a temporary folder each run); then runs `codex exec` and
+# `claude -p` and checks that each exits 0 with a non-empty answer. Exit status 0 when both pass.
 #
 #   scripts/agent_check.sh                # pinned agent versions
 #   CODEX_VERSION=latest CLAUDE_VERSION=latest scripts/agent_check.sh
@@ -35,14 +36,6 @@ cleanup() {
 }
 trap cleanup EXIT
 
-echo "== installing @openai/codex@$CODEX_VERSION and @anthropic-ai/claude-code@$CLAUDE_VERSION into $WORK/npm"
-if ! npm install --silent --no-audit --no-fund --prefix "$WORK/npm" \
-        "@openai/codex@$CODEX_VERSION" "@anthropic-ai/claude-code@$CLAUDE_VERSION" >"$WORK/npm.log" 2>&1; then
-    cat "$WORK/npm.log"; echo "FAIL: npm install"; exit 1
-fi
-BIN="$WORK/npm/node_modules/.bin"
-echo "codex: $("$BIN/codex" --version 2>&1 | tail -1); claude: $("$BIN/claude" --version 2>&1 | tail -1)"
-
 echo "== starting ninfer-serve on 127.0.0.1:$SERVER_PORT (default model), logging proxy on :$PROXY_PORT"
 (cd "$ROOT" && HF_HUB_OFFLINE=1 exec "$PYTHON" -m engine.serve --port "$SERVER_PORT" --model-id "$MODEL_ID" \
     --model-alias "claude-*=$MODEL_ID" --default-max-tokens "$MAX_TOKENS" --log-level warning) >"$WORK/server.log" 2>&1 &
@@ -50,6 +43,28 @@ PIDS+=($!)
 mkdir -p "$WORK/bodies"
 AGENT_PROXY_SAVE="$WORK/bodies" "$PYTHON" "$ROOT/scripts/agent_proxy.py" "$PROXY_PORT" "$SERVER_PORT" >>"$WORK/proxy.log" 2>&1 &
 PIDS+=($!)
+# pinned versions are installed once into the user's cache and reused; "latest" installs afresh each run
+AGENTS="$WORK/npm"
+case "$CODEX_VERSION$CLAUDE_VERSION" in
+    *latest*) ;;
+    *) AGENTS="${XDG_CACHE_HOME:-$HOME/.cache}/ninfer/agent-check/codex-$CODEX_VERSION-claude-$CLAUDE_VERSION" ;;
+esac
+BIN="$AGENTS/node_modules/.bin"
+mkdir -p "$(dirname "$AGENTS")"
+exec 9>"$AGENTS.lock"; flock 9  # one install at a time into the shared folder
+if [ -x "$BIN/codex" ] && [ -x "$BIN/claude" ] && [ -e "$AGENTS/installed" ]; then
+    echo "== @openai/codex@$CODEX_VERSION and @anthropic-ai/claude-code@$CLAUDE_VERSION from $AGENTS"
+else
+    echo "== installing @openai/codex@$CODEX_VERSION and @anthropic-ai/claude-code@$CLAUDE_VERSION into $AGENTS"
+    rm -rf "$AGENTS"; mkdir -p "$AGENTS"
+    if ! npm install --silent --no-audit --no-fund --prefix "$AGENTS" \
+            "@openai/codex@$CODEX_VERSION" "@anthropic-ai/claude-code@$CLAUDE_VERSION" >"$WORK/npm.log" 2>&1; then
+        cat "$WORK/npm.log"; echo "FAIL: npm install"; rm -rf "$AGENTS"; exit 1
+    fi
+    touch "$AGENTS/installed"  # written last: an install cut short is never reused
+fi
+exec 9>&-
+echo "codex: $("$BIN/codex" --version 2>&1 | tail -1); claude: $("$BIN/claude" --version 2>&1 | tail -1)"
 for _ in $(seq 1 240); do
     curl -sf "http://127.0.0.1:$PROXY_PORT/health" >/dev/null 2>&1 && break
     sleep 0.5

@@ -11,6 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
+# The answer limit for both agents. What is checked is the round trips, not the answer's length: Claude Code asks
+# again up to three times when an answer stops at the limit, so 256 tokens (the script's default) cost four
+# 256-token answers of decoding on a CPU, some 25 s, for the same requests and replies.
+MAX_TOKENS = 64
 
 
 @pytest.mark.subprocess
@@ -20,7 +24,7 @@ def test_codex_and_claude_code_each_finish_a_turn():
     if subprocess.run(["npm", "view", "@openai/codex", "version"], capture_output=True, timeout=60).returncode:
         pytest.skip("the npm registry cannot be reached")
     run = subprocess.run(["bash", str(ROOT / "scripts" / "agent_check.sh")], capture_output=True, text=True,
-                         timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                         timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1", "MAX_TOKENS": str(MAX_TOKENS)})
     out = run.stdout + run.stderr
     assert "POST /v1/responses" in out and "POST /v1/messages" in out, out[-4000:]
     codex, claude = out.split("== codex", 1)[1].split("== claude", 1)
