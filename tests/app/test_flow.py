@@ -367,14 +367,41 @@ def test_conversations_survive_a_restart(started):
     window.conversations.search.setText("")
 
 
+def answer_under_way(chat) -> None:
+    """A long answer streaming into the chat window, its first tokens shown."""
+    chat.max_tokens = 400
+    assert chat.send("Count from one to one hundred in words.")
+    wait_until(lambda: len(chat.messages[-1].content) > 0, timeout=GEN_TIMEOUT)
+
+
 def test_stop_and_start_the_server_from_the_tray(started):
+    """#39 item 4: the tray's Stop, clicked while an answer streams, ends the answer and lets the engine's model and
+    runner go (nothing in the app holds them, so their memory is not counted as other programs' at the next start);
+    Start serves again with the same settings."""
+    import gc
+    import weakref
+
     controller, window = started
     tray = controller.tray
     service = controller.service
     url = service.url
+    engine = service.state.loaded.engine
+    model, runner, thread = weakref.ref(engine.runner.model), weakref.ref(engine.runner), engine._thread
+    del engine
+    answer_under_way(window.chat)
     tray.server_action.trigger()  # Stop
     wait_until(lambda: controller.service is None and not service.serving and service.state.loaded is None,
                timeout=30_000)
+    wait_until(lambda: not window.chat.busy, timeout=10_000)
+    assert window.chat.messages[-1].stats["tokens"] < 400  # cut by the stop
+    window.chat.max_tokens = 8
+    assert not thread.is_alive()
+
+    async def collect():  # on the app's loop: the cut stream's connection objects are finalized where they ran
+        gc.collect()
+
+    run(collect())
+    assert runner() is None and model() is None, gc.get_referrers(model())[:3] if model() else None
     with pytest.raises(httpx.ConnectError):
         httpx.get(url.replace("/v1", "/health"), timeout=5)
     tray.refresh()
@@ -416,13 +443,18 @@ def test_change_model_keeps_the_lan_address_and_key_set_in_the_server_panel(star
 
 
 def test_quit_stops_everything(started):
+    """The tray's Quit, clicked while an answer streams (#39 item 10: it once hung 14 s): the engine thread, the
+    server and the session end."""
     controller, window = started
     s = controller.service
     url = s.base_url
+    thread = s.state.loaded.engine._thread
     calls = controller.quit_app.calls
+    answer_under_way(window.chat)
     controller.tray.quit_action.trigger()
     wait_until(lambda: controller.quit_app.calls == calls + 1, timeout=60_000)
     assert controller.service is None and not s.serving and s.state.loaded is None
+    assert not thread.is_alive()
     with pytest.raises(httpx.ConnectError):
         httpx.get(url + "/health", timeout=5)
     assert not controller.config.crashed  # a clean quit closes the session
