@@ -99,9 +99,11 @@ def _sibling(name: str):
 
 
 def write_moe_gguf(path: str | os.PathLike, shape: MoEShape = MoEShape(), qtype: str = "Q8_0", seed: int = 0,
-                   router_spread: float = 1.6, tokenizer_gguf: str | None = None) -> Path:
+                   router_spread: float = 1.6, tokenizer_gguf: str | None = None, header_only: bool = False) -> Path:
     """Writes the random qwen35moe model of `shape` to `path` with linear weights and experts in `qtype`; returns
-    the path. The same seed and shape give the same float weights whatever `qtype` (each tensor drawn in order)."""
+    the path. The same seed and shape give the same float weights whatever `qtype` (each tensor drawn in order).
+    `header_only`: the metadata and tensor table of that model with its data left a hole (a sparse file of the full
+    size: what a model's ledger and fit marks read, for shapes far bigger than a test can write)."""
     import gguf
     from gguf import quants
 
@@ -146,12 +148,17 @@ def write_moe_gguf(path: str | os.PathLike, shape: MoEShape = MoEShape(), qtype:
     w.add_expert_shared_feed_forward_length(s.shared_width)
 
     def normal(*dims: int, std: float = 0.02) -> np.ndarray:
+        if header_only:  # a shape without memory: only its size is written
+            return np.broadcast_to(np.float32(0), dims)
         return rng.standard_normal(dims, dtype=np.float32) * np.float32(std)
 
     def add(name: str, arr: np.ndarray, qt=None) -> None:
         """`arr` in numpy order (ggml's ne reversed: the last axis is the row a block runs along)."""
         qt = T.F32 if qt is None else qt
-        if qt == T.F32:
+        if header_only:
+            block, size = gguf.GGML_QUANT_SIZES[qt]
+            w.add_tensor_info(name, arr.shape, np.float32, arr.size // block * size, raw_dtype=qt)
+        elif qt == T.F32:
             w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
         else:
             w.add_tensor(name, quants.quantize(arr, qt), raw_dtype=qt)
@@ -196,6 +203,13 @@ def write_moe_gguf(path: str | os.PathLike, shape: MoEShape = MoEShape(), qtype:
     add("output.weight", normal(vocab, h), linear_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
+    if header_only:
+        w.write_ti_data_to_file()
+        data = sum(w.ggml_pad(ti.nbytes, w.data_alignment) for ti in w.tensors[0].values())
+        start = w.ggml_pad(w.fout[0].tell(), w.data_alignment)
+        w.close()
+        os.truncate(path, start + data)
+        return Path(path)
     w.write_tensors_to_file()
     w.close()
     return Path(path)

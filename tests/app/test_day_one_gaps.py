@@ -211,6 +211,34 @@ def test_on_this_computer_marks_each_model_and_badges_the_loaded_one(library):
     assert mark.text() == "needs more memory" and "GiB" in mark.toolTip() and "100 MiB RAM" in mark.toolTip()
 
 
+def test_a_35b_moe_file_added_on_a_12_gib_gpu_is_marked_fits_with_host_experts(library, tmp_path, monkeypatch):
+    """Add folder… (the button) with a Qwen3.6-35B-A3B-shaped Q4_0 GGUF in it (the file's header and tensor table,
+    its data a hole: 17.8 GiB that take no disk) on a machine with a 12,000 MiB GPU: the list marks it with --fit's
+    plan, the same one the ledger makes for that file."""
+    from PySide6.QtWidgets import QFileDialog
+
+    from app.library.marks import FITS_EXPERTS, mark_model_shape
+    from engine.ledger import ModelShape
+    from tests.engine.test_moe_llamacpp import make as make_moe
+
+    controller, local, memory = library
+    memory[0] = (12_000, 64_000)
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shape = make_moe.MoEShape(hidden=2048, layers=40, heads=16, kv_heads=2, head_dim=256, gdn_k_heads=16,
+                              gdn_v_heads=32, gdn_head_dim=128, experts=256, experts_used=8, expert_width=512,
+                              shared_width=512, context=262144)
+    path = make_moe.write_moe_gguf(folder / "Qwen3.6-35B-A3B-Q4_0.gguf", shape, "Q4_0", header_only=True)
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(folder))
+    QTest.mouseClick(local.add_button, Qt.MouseButton.LeftButton)
+    wait_until(lambda: any(m.path == path for m in local.models) and local.marked == local.scans, 60_000)
+    mark, _ = fit_cell(local, next(m.name for m in local.models if m.path == path))
+    planned = mark_model_shape(ModelShape.from_path(path), vram_mib=12_000, ram_mib=64_000,
+                               settings=local._settings())
+    assert mark.text() == FITS_EXPERTS == planned.mark, mark.toolTip()
+    assert planned.detail in mark.toolTip() and "MoE layers go to host memory" in mark.toolTip()
+
+
 def test_a_moe_model_too_big_for_the_gpu_is_marked_fits_with_host_experts():
     """The mark of --fit's plan, the same placement the engine makes at load (the ledger's numbers)."""
     from app.library.marks import FITS_EXPERTS, mark_model_shape
