@@ -271,6 +271,10 @@ def _normalize_message(message: dict) -> dict:
     content = out.get("content")
     if content is None:
         out["content"] = ""
+    elif isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+        # images stay parts, for the template to place (engine.server.images hands it {"type": "image"})
+        out["content"] = [p if isinstance(p, dict) and p.get("type") == "image" else
+                          {"type": "text", "text": _text_of_part(p)} for p in content]
     elif isinstance(content, list):
         out["content"] = "\n".join(_text_of_part(part) for part in content)
     if out.get("tool_calls"):

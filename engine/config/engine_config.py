@@ -34,6 +34,8 @@ class EngineConfig:
     n_cpu_moe: int = _default("n_cpu_moe")  # the first N MoE layers' experts there
     fit: bool = _default("fit")  # neither set: as few layers as make a MoE model fit (engine/ledger/placement.py)
     allow_lossy_format: bool = _default("allow_lossy_format")
+    mmproj: str = _default("mmproj")  # a GGUF model's vision projector file ("": mmproj*.gguf beside it)
+    max_image_pixels: int = _default("max_image_pixels")  # a vision model's largest image (scaled down beyond it)
     # how much it holds
     max_context: int = _default("max_context")  # 0: the model's (build_engine resolves it before the Engine runs)
     kv_capacity: int | str = _default("kv_capacity")  # tokens, or auto (from the ledger)

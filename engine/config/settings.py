@@ -38,6 +38,9 @@ class Settings:
     max_queue: int = _default("max_queue")
     max_body_mib: int = _default("max_body_mib")
     mcp_config: str = _default("mcp_config")
+    image_url_fetch: bool = _default("image_url_fetch")
+    max_image_mib: int = _default("max_image_mib")
+    max_images: int = _default("max_images")
     # model
     device: str = _default("device")
     weight_dtype: str = _default("weight_dtype")
@@ -47,6 +50,8 @@ class Settings:
     cpu_moe: bool = _default("cpu_moe")  # every MoE layer's experts in host memory, computed on the CPU
     n_cpu_moe: int = _default("n_cpu_moe")  # the first N MoE layers' experts there
     fit: bool = _default("fit")  # neither set: as few layers as make a MoE model fit (engine/ledger/placement.py)
+    mmproj: str = _default("mmproj")  # a GGUF model's vision projector file ("": mmproj*.gguf beside it)
+    max_image_pixels: int = _default("max_image_pixels")  # a vision model's largest image (scaled down beyond it)
     # memory
     kv_capacity: int | str = _default("kv_capacity")
     kv_headroom_mib: int = _default("kv_headroom_mib")

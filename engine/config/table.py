@@ -164,6 +164,13 @@ SETTINGS: tuple[Setting, ...] = (
            "whose servers' tools chat requests may ask for with {\"type\": \"mcp\", \"server_label\": NAME}; the server "
            "runs those calls itself (docs/API.md). Loopback only unless an API key is set.",
            metavar="FILE", default_means="no server-side MCP tools"),
+        _s("image_url_fetch", bool, False, "Let requests name images by http(s) URL, which the server then downloads "
+           "(at most --max-image-mib, within 10 s); off, only images sent inline (data: URIs, Anthropic base64 sources) "
+           "are accepted."),
+        _s("max_image_mib", int, 10, "Largest image accepted, in MiB of encoded file (PNG, JPEG, ...); bigger ones are "
+           "refused with 400.", minimum=1, maximum=1024),
+        _s("max_images", int, 16, "Most images one request may carry; more are refused with 400.", minimum=1,
+           maximum=256),
     ),
     *_group(
         "model",
@@ -186,6 +193,13 @@ SETTINGS: tuple[Setting, ...] = (
            "n_cpu_moe is set, keep the experts of as few layers as needed in host memory (and the context at 4K "
            "tokens or more), with kv_dtype auto holding the KV in k8v8 where that moves fewer experts or gives a "
            "longer context; a model that cannot fit even so is refused before loading."),
+        _s("mmproj", str, "", "The vision projector GGUF (llama.cpp's mmproj file) of a GGUF model, so it reads "
+           "images; empty looks for one file named mmproj*.gguf beside the model file.", metavar="FILE",
+           default_means="an mmproj*.gguf beside the model file, if there is exactly one"),
+        _s("max_image_pixels", int, 4194304, "Largest image, in pixels, a vision model reads: a bigger one is scaled "
+           "down to fit (each 32x32 pixels is one prompt token on Qwen3.5, so the default 2048x2048 is 4,096 tokens); "
+           "the model's own image processor may cap it lower.", minimum=1024,
+           default_means="4,194,304 pixels (4,096 image tokens)"),
     ),
     *_group(
         "memory",

@@ -11,6 +11,7 @@ from engine.server import admin, errors, security, tokens
 from engine.server.bodies import ThreadedBodyRoute
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
+from engine.server.images import vision_of
 from engine.server.mcp_tools import chat_with_mcp, mcp_entries
 from engine.server.messages import MessagesRequest, count_tokens, messages
 from engine.server.responses import ResponsesRequest, responses
@@ -84,8 +85,11 @@ def model_card(state: ServerState, model_id: str) -> dict:
     loaded = state.loaded
     ctx = loaded.context_window if loaded is not None else None
     template = (getattr(loaded.tokenizer, "chat_template", None) or "") if loaded is not None else ""
+    vision = vision_of(state) is not None
+    modalities = ["text", "image"] if vision else ["text"]  # llama-server's router reports them in `architecture`
     return {"id": model_id, "object": "model", "created": state.created, "owned_by": "ninfer",
             "context_window": ctx, "max_model_len": ctx, "max_output_tokens": ctx,
             "weight_storage": getattr(loaded, "weight_storage", None) or None,  # "132 x Q5_0 -> int8, ..."
+            "input_modalities": modalities, "architecture": {"input_modalities": list(modalities)},
             "capabilities": {"chat": bool(template), "tools": "tools" in template, "reasoning": "<think>" in template,
-                             "vision": False, "structured_output": True}}
+                             "vision": vision, "structured_output": True}}

@@ -14,6 +14,7 @@ from engine.errors import NInferError
 from engine.server.errors import APIError, error_body
 from engine.server.generation import (Choice, check_prompt_chars, response_constraint, run_choices, sampling_params,
                                        submit, unless_disconnected, usage_dict)
+from engine.server.images import ReadImage, place_images, take_images
 from engine.server.parsers import offered_tools, required_tool, validate_tools
 from engine.server.schemas import ChatCompletionRequest
 from engine.server.state import ServerState
@@ -50,12 +51,17 @@ def _thinking_kwargs(state: ServerState, req: ChatCompletionRequest, template: s
 
 def render_text(state: ServerState, req: ChatCompletionRequest, param: str = "messages") -> str:
     """The prompt text the chat template makes of the request (what POST /apply-template answers), the thinking of
-    earlier turns kept or dropped per --reasoning-preserve. CPU-bound: call it in a worker thread."""
+    earlier turns kept or dropped per --reasoning-preserve, each image as the template renders one. CPU-bound:
+    call it in a worker thread."""
+    return _render_with_images(state, req, param)[0]
+
+
+def _render_with_images(state: ServerState, req: ChatCompletionRequest, param: str) -> tuple[str, list[ReadImage]]:
     tok = state.ready().tokenizer
     problems = validate_tools(req.tools, req.tool_choice)
     if problems:
         raise APIError(400, "Invalid tools: " + "; ".join(problems) + ".", param="tools")
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    messages, images = take_images(state, [m.model_dump(exclude_none=True) for m in req.messages])
     preserve = state.settings.reasoning_preserve
     if preserve == "off":
         messages = drop_earlier_thinking(messages)
@@ -67,14 +73,17 @@ def render_text(state: ServerState, req: ChatCompletionRequest, param: str = "me
     except NInferError as e:
         raise APIError(400, str(e), param="messages") from None
     check_prompt_chars(tok, text, state.ready().context_window, param)
-    return text
+    return text, images
 
 
-def render(state: ServerState, req: ChatCompletionRequest, param: str = "messages") -> tuple[list[int], bool]:
-    """Token ids of the prompt, and whether the model's answer starts inside a <think> block. CPU-bound (a long
-    conversation takes seconds to render and encode): call it in a worker thread."""
-    text = render_text(state, req, param)
-    return state.ready().tokenizer.encode(text), text.rstrip().endswith("<think>")
+def render(state: ServerState, req: ChatCompletionRequest,
+           param: str = "messages") -> tuple[list[int], bool, list[bytes] | None]:
+    """Token ids of the prompt (each image's placeholder repeated to its token count), whether the model's answer
+    starts inside a <think> block, and the images for Engine.submit (None: none). CPU-bound (a long conversation
+    takes seconds to render and encode; an image to decode, or to download): call it in a worker thread."""
+    text, images = _render_with_images(state, req, param)
+    ids = place_images(state, state.ready().tokenizer.encode(text), images, param)
+    return ids, text.rstrip().endswith("<think>"), [i.data for i in images] or None
 
 
 def parallel_calls(req: ChatCompletionRequest) -> bool:
@@ -117,7 +126,7 @@ async def prepare_reply(req: ChatCompletionRequest, state: ServerState) -> _Repl
     """The request's sequences submitted to the engine, with what answers them (as one body or as SSE chunks)."""
     state.check_model(req.model)
     loaded = state.ready()
-    prompt, in_reasoning = await asyncio.to_thread(render, state, req)
+    prompt, in_reasoning, images = await asyncio.to_thread(render, state, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, state, len(prompt), loaded.context_window, logprobs)
     params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, req, in_reasoning)
@@ -127,7 +136,8 @@ async def prepare_reply(req: ChatCompletionRequest, state: ServerState) -> _Repl
     names = offered_tools(req.tools, req.tool_choice)
     choices = [Choice(i, loaded.tokenizer, req.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
                       tool_names=names, parallel_calls=parallel_calls(req)) for i in range(req.n)]
-    streams = submit(state, prompt, params, req.n)  # last: nothing after it can fail and leave them running
+    # last: nothing after it can fail and leave them running
+    streams = submit(state, prompt, params, req.n, images=images)
     return _Reply(req, loaded.tokenizer, streams, choices, len(prompt))
 
 

@@ -197,15 +197,19 @@ def check_fits(engine, sequences: int, prompts: int, param: str = "n") -> None:
                    code="too_many_sequences", param=param)
 
 
-def submit(state: ServerState, prompt: list[int], params: SamplingParams, n: int, param: str = "messages"):
-    """n engine requests for one API request (seeds seed, seed+1, ... so choices differ but stay reproducible)."""
-    return submit_all(state, [(prompt, params)], n, param)
+def submit(state: ServerState, prompt: list[int], params: SamplingParams, n: int, param: str = "messages",
+           images: list | None = None):
+    """n engine requests for one API request (seeds seed, seed+1, ... so choices differ but stay reproducible);
+    `images`: the prompt's images in order (each stands in `prompt` as its run of <|image_pad|>), or None."""
+    return submit_all(state, [(prompt, params)], n, param, images=images)
 
 
 def submit_all(state: ServerState, jobs: list[tuple[list[int], SamplingParams]], n: int,
-               param: str = "messages", count_param: str = "n"):
+               param: str = "messages", count_param: str = "n", images: list | None = None):
     """n engine requests per (prompt, params) job, admitted whole or not at all: when any submission fails, the
-    ones already submitted are aborted at once, so no sequence runs on for a request that got an error."""
+    ones already submitted are aborted at once, so no sequence runs on for a request that got an error. Every
+    job's sequences get the same `images` (None: a text-only prompt)."""
+    with_images = {"images": images} if images else {}  # engines without vision take no images argument
     engine = state.ready().engine
     check_fits(engine, len(jobs) * n, len(jobs), count_param)
     loop = asyncio.get_running_loop()
@@ -214,7 +218,7 @@ def submit_all(state: ServerState, jobs: list[tuple[list[int], SamplingParams]],
         for prompt, params in jobs:
             for i in range(n):
                 p = params if i == 0 else SamplingParams(**{**vars(params), "seed": sibling_seed(params.seed, i)})
-                streams.append(engine.submit(prompt, p, loop=loop))
+                streams.append(engine.submit(prompt, p, loop=loop, **with_images))
     except BaseException as e:
         for s in streams:
             s.abort()
@@ -222,8 +226,8 @@ def submit_all(state: ServerState, jobs: list[tuple[list[int], SamplingParams]],
             raise APIError(400, str(e), code="context_length_exceeded", param=param) from None
         if isinstance(e, QueueFullError):
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"}) from None
-        if isinstance(e, NInferError):
-            raise APIError(400, str(e)) from None
+        if isinstance(e, NInferError):  # e.g. images the engine cannot take: about the messages that hold them
+            raise APIError(400, str(e), param=param if images else None) from None
         raise
     return streams
 

@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError
 from engine.server.chat import SSE_HEADERS, output_constraint, parallel_calls, render
 from engine.server.errors import APIError, shown
 from engine.server.generation import Choice, sampling_params, submit, unless_disconnected
+from engine.server.images import MEDIA_TYPES, image_part
 from engine.server.messages_reply import MessageReply
 from engine.server.omitted import hosted_tool_name, omitted_header
 from engine.server.parsers import offered_tools
@@ -60,24 +61,56 @@ def _string(block: dict, key: str, where: str) -> str:
 
 
 def _text_blocks(content: Any, where: str) -> str:
-    """The text of a string or a list of text blocks (tool results, system); anything else is a 400."""
+    """The text of a string or a list of text blocks (system); anything else is a 400."""
+    content = _content_blocks(content, where, images=False)
+    return content if isinstance(content, str) else ""
+
+
+def _content_blocks(content: Any, where: str, images: bool = True) -> str | list[dict]:
+    """A string or a list of text (and, where `images`, image) blocks: the text, or chat content parts when it
+    holds an image."""
     if isinstance(content, str):
         return content
     if content is None:
         return ""
     if not isinstance(content, list):
         raise _bad(f"{where} must be a string or a list of content blocks.", where)
-    texts = []
+    parts = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            texts.append(_string(block, "text", f"{where}[{j}]"))
+            parts.append({"type": "text", "text": _string(block, "text", f"{where}[{j}]")})
+        elif kind == "image" and images:
+            parts.append(_image_block(block, f"{where}[{j}]"))
         elif kind in ("image", "document"):
-            raise _bad(f"{where}[{j}] is an {kind} block, but this model reads text only (it has no vision). Send "
-                       f"the content as text.", f"{where}[{j}]")
+            raise _bad(f"{where}[{j}] is an {kind} block, which is not accepted here; send text.", f"{where}[{j}]")
         else:
-            raise _bad(f"{where}[{j}] has type {shown(kind)}; only text blocks are allowed here.", f"{where}[{j}]")
-    return "\n".join(texts)
+            allowed = "text and image blocks are" if images else "only text blocks are"
+            raise _bad(f"{where}[{j}] has type {shown(kind)}; {allowed} allowed here.", f"{where}[{j}]")
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def _image_block(block: dict, where: str) -> dict:
+    """An image block's source (base64 or url) as the chat part engine.server.images reads."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise _bad(f"{where}.source needs media_type (image/png, image/jpeg, image/gif or image/webp) and data "
+                       f"(the base64 of the file), both strings.", f"{where}.source")
+        if media.strip().lower() not in MEDIA_TYPES.values():
+            raise _bad(f"{where}.source.media_type {shown(media)} is not accepted; use one of "
+                       f"{', '.join(MEDIA_TYPES.values())}.", f"{where}.source.media_type")
+        return image_part(f"data:{media.strip()};base64,{data}", where, media_type=media)
+    if kind == "url":
+        return image_part(source.get("url"), where)
+    if kind == "file":
+        raise _bad(f"{where}.source is a file (Files API), which this server does not store; send the image as a "
+                   f"base64 source.", f"{where}.source")
+    raise _bad(f"{where}.source.type must be base64 or url, not {shown(kind)}.", f"{where}.source")
 
 
 def system_prompt(system: str | list[dict] | None) -> str:
@@ -97,7 +130,7 @@ def system_prompt(system: str | list[dict] | None) -> str:
 
 
 def _user_blocks(content: Any, i: int, out: list[dict]) -> None:
-    """A user turn: text blocks become user messages, tool_result blocks tool messages, in their order."""
+    """A user turn: text and image blocks become user messages, tool_result blocks tool messages, in their order."""
     if isinstance(content, str):
         _add_user(out, content)
         return
@@ -108,14 +141,16 @@ def _user_blocks(content: Any, i: int, out: list[dict]) -> None:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
             _add_user(out, _string(block, "text", where))
+        elif kind == "image":
+            _add_user(out, _image_block(block, where))
         elif kind == "tool_result":
-            text = _text_blocks(block.get("content"), where + ".content")
+            result = _content_blocks(block.get("content"), where + ".content")
             if block.get("is_error"):
-                text = f"Error: {text}" if text else "Error"
-            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": text})
-        elif kind in ("image", "document"):
-            raise _bad(f"{where} is an {kind} block, but this model reads text only (it has no vision). Send the "
-                       f"content as text.", where)
+                result = _error_result(result)
+            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": result})
+        elif kind == "document":
+            raise _bad(f"{where} is a document block, which this server does not read. Send the document's text "
+                       f"as a text block.", where)
         elif kind in ("thinking", "redacted_thinking"):
             continue
         else:
@@ -123,13 +158,30 @@ def _user_blocks(content: Any, i: int, out: list[dict]) -> None:
                        where)
 
 
-def _add_user(out: list[dict], text: str) -> None:
-    """Appends user text, merged into a user message just before it (templates want turns to alternate)."""
+def _error_result(result: str | list[dict]) -> str | list[dict]:
+    if isinstance(result, str):
+        return f"Error: {result}" if result else "Error"
+    return [{"type": "text", "text": "Error:"}, *result]
+
+
+def _add_user(out: list[dict], item: str | dict) -> None:
+    """Appends user text (or an image part), merged into a user message just before it (templates want turns to
+    alternate): text blocks joined by blank lines; with an image, the message holds a list of parts, each image
+    where it stood between the texts (as a chat request's parts)."""
     last = out[-1] if out else None
-    if last is not None and last["role"] == "user":
-        last["content"] = f"{last['content']}\n\n{text}" if last["content"] else text
+    if last is None or last["role"] != "user":
+        out.append({"role": "user", "content": item if isinstance(item, str) else [item]})
+        return
+    if isinstance(last["content"], str):
+        if isinstance(item, str):
+            last["content"] = f"{last['content']}\n\n{item}" if last["content"] else item
+            return
+        last["content"] = [{"type": "text", "text": last["content"]}] if last["content"] else []
+    parts = last["content"]
+    if isinstance(item, str) and parts and parts[-1]["type"] == "text":
+        parts[-1] = {"type": "text", "text": f"{parts[-1]['text']}\n\n{item}" if parts[-1]["text"] else item}
     else:
-        out.append({"role": "user", "content": text})
+        parts.append({"type": "text", "text": item} if isinstance(item, str) else item)
 
 
 def _assistant_blocks(content: Any, i: int, out: list[dict]) -> None:
@@ -267,11 +319,11 @@ def to_chat_request(req: MessagesRequest, served: str) -> tuple[ChatCompletionRe
 
 
 def prepare(state: ServerState, req: MessagesRequest, served: str):
-    """(chat request, omitted tools, prompt token ids, whether the answer starts in reasoning). CPU-bound (a long
-    conversation takes seconds to convert and encode): call it in a worker thread."""
+    """(chat request, omitted tools, prompt token ids, whether the answer starts in reasoning, the images).
+    CPU-bound (a long conversation takes seconds to convert and encode): call it in a worker thread."""
     chat, omitted = to_chat_request(req, served)
-    prompt, in_reasoning = render(state, chat)
-    return chat, omitted, prompt, in_reasoning
+    prompt, in_reasoning, images = render(state, chat)
+    return chat, omitted, prompt, in_reasoning, images
 
 
 async def messages(req: MessagesRequest, state: ServerState, request=None):
@@ -281,13 +333,13 @@ async def messages(req: MessagesRequest, state: ServerState, request=None):
         raise _bad("max_tokens is required: the most tokens the answer may have (it is capped to the room left "
                    "in the context).", "max_tokens")
     budget = thinking_budget(req.thinking)
-    chat, omitted, prompt, in_reasoning = await asyncio.to_thread(prepare, state, req, served)
+    chat, omitted, prompt, in_reasoning, images = await asyncio.to_thread(prepare, state, req, served)
     params = sampling_params(chat, state, len(prompt), loaded.context_window)
     params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)
     params.constraint = thinking_constraint(state, loaded.tokenizer, chat.reasoning_effort, params.max_tokens,
                                             in_reasoning, params.constraint, explicit=budget)
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
-    streams = submit(state, prompt, params, 1)
+    streams = submit(state, prompt, params, 1, images=images)
     choice = Choice(0, loaded.tokenizer, chat.stop_list(), reasoning=reasoning, starts_in_reasoning=in_reasoning,
                     tool_names=offered_tools(chat.tools, chat.tool_choice),
                     parallel_calls=parallel_calls(chat))
@@ -303,5 +355,5 @@ async def count_tokens(req: MessagesRequest, state: ServerState) -> dict:
     """The prompt tokens the engine would see for this request (the same rendering as /v1/messages)."""
     served = state.check_model(req.model)
     state.ready()
-    _, _, prompt, _ = await asyncio.to_thread(prepare, state, req, served)
+    _, _, prompt, _, _ = await asyncio.to_thread(prepare, state, req, served)
     return {"input_tokens": len(prompt)}

@@ -70,8 +70,8 @@ def _effort(req: ResponsesRequest) -> str | None:
 
 
 def prepare(state: ServerState, req: ResponsesRequest, served: str, tools: ResponseTools):
-    """(chat request, prompt token ids, whether the answer starts in reasoning). CPU-bound (a long conversation
-    takes seconds to convert and encode): call it in a worker thread."""
+    """(chat request, prompt token ids, whether the answer starts in reasoning, the images). CPU-bound (a long
+    conversation takes seconds to convert and encode): call it in a worker thread."""
     try:
         chat = ChatCompletionRequest(
             model=served, messages=read_input(req.instructions, req.input, tools) or [{"role": "user", "content": ""}],
@@ -85,8 +85,8 @@ def prepare(state: ServerState, req: ResponsesRequest, served: str, tools: Respo
         param = "text.format" if first["loc"] and first["loc"][0] == "response_format" else "input"
         raise APIError(400, f"The request cannot be read as a conversation: {where}: {first['msg']}.",
                        param=param) from None
-    prompt, in_reasoning = render(state, chat, "input")
-    return chat, prompt, in_reasoning
+    prompt, in_reasoning, images = render(state, chat, "input")
+    return chat, prompt, in_reasoning, images
 
 
 def check_nothing_stored(req: ResponsesRequest) -> None:
@@ -104,7 +104,7 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
     loaded = state.ready()
     check_nothing_stored(req)
     tools = read_tools(req.tools)
-    chat, prompt, in_reasoning = await asyncio.to_thread(prepare, state, req, served, tools)
+    chat, prompt, in_reasoning, images = await asyncio.to_thread(prepare, state, req, served, tools)
     params = sampling_params(chat, state, len(prompt), loaded.context_window, param="input")
     try:
         params.constraint = await asyncio.to_thread(output_constraint, loaded.tokenizer, chat, in_reasoning)
@@ -113,7 +113,7 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
         raise
     params.constraint = thinking_constraint(state, loaded.tokenizer, chat.reasoning_effort, params.max_tokens,
                                             in_reasoning, params.constraint)
-    streams = submit(state, prompt, params, 1, param="input")
+    streams = submit(state, prompt, params, 1, param="input", images=images)
     reasoning = "<think>" in (loaded.tokenizer.chat_template or "")
     choice = Choice(0, loaded.tokenizer, [], reasoning=reasoning, starts_in_reasoning=in_reasoning,
                     tool_names=offered_tools(chat.tools, chat.tool_choice),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.server.errors import APIError, shown
+from engine.server.images import image_part
 from engine.server.omitted import hosted_tool_name
 
 LOCAL_SHELL = "local_shell"
@@ -159,11 +160,17 @@ def read_tool_choice(choice: Any, tools: ResponseTools) -> Any:
 
 
 def _text(content: Any, where: str) -> str:
+    content = _content(content, where, images=False)
+    return content if isinstance(content, str) else ""
+
+
+def _content(content: Any, where: str, images: bool = True) -> str | list[dict]:
+    """A message's (or a call output's) text, or chat content parts when it holds an input_image (`images`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         return ""
-    texts = []
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS:
@@ -172,20 +179,39 @@ def _text(content: Any, where: str) -> str:
             if not isinstance(text, str):
                 raise APIError(400, f"{where}[{j}].{key} must be a string, not {type(text).__name__}.",
                                param=f"{where}[{j}].{key}")
-            texts.append(text)
+            parts.append({"type": "text", "text": text})
+        elif kind == "input_image" and images:
+            parts.append(_input_image(part, f"{where}[{j}]"))
         elif kind in ("input_image", "input_file", "input_audio"):
-            raise APIError(400, f"{where}[{j}] is an {kind} part, but this model reads text only (it has no "
-                                f"vision). Send the content as text.", param=f"{where}[{j}]")
-        else:
-            raise APIError(400, f"{where}[{j}] has type {shown(kind)}; content parts may be input_text or output_text.",
+            raise APIError(400, f"{where}[{j}] is an {kind} part, which is not accepted here (images go in user "
+                                f"messages and call outputs; files and audio are not read). Send text.",
                            param=f"{where}[{j}]")
-    return "".join(texts)
+        else:
+            raise APIError(400, f"{where}[{j}] has type {shown(kind)}; content parts may be input_text, output_text "
+                                f"or input_image.", param=f"{where}[{j}]")
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
-def _output(item: dict, where: str) -> str:
+def _input_image(part: dict, where: str) -> dict:
+    """An input_image part ({"image_url": "<data: or http(s) URL>", "detail": ...}) as engine.server.images reads
+    it; `detail` is accepted and ignored (the model's processor sizes every image alike)."""
+    if part.get("file_id") is not None:
+        raise APIError(400, f"{where} names a file_id: this server stores no files, so images by file id are not "
+                            f"supported. Send the image in image_url as a data:image/...;base64,... URI.",
+                       param=f"{where}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise APIError(400, f"{where}.image_url must be a string: a data:image/...;base64,... URI (or an http(s) URL "
+                            f"where the server fetches them).", param=f"{where}.image_url")
+    return image_part(url, where, kind="input_image part")
+
+
+def _output(item: dict, where: str) -> str | list[dict]:
     output = item.get("output")
     if isinstance(output, (str, list)):
-        return _text(output, where + ".output")
+        return _content(output, where + ".output")
     return json.dumps(output)
 
 
@@ -221,8 +247,10 @@ def read_input(instructions: str | None, items: str | list[dict], tools: Respons
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role must be user, system, developer or assistant.",
                                param=f"{where}.role")
-            text = _text(item.get("content"), f"{where}.content")
-            messages.append(assistant({"content": text}) if role == "assistant" else {"role": role, "content": text})
+            if role == "assistant":
+                messages.append(assistant({"content": _text(item.get("content"), f"{where}.content")}))
+            else:
+                messages.append({"role": role, "content": _content(item.get("content"), f"{where}.content")})
         elif kind == "reasoning":
             text = _text(item.get("content") or item.get("summary") or [], f"{where}.content")
             if text:  # only encrypted_content (another provider's): nothing this model can read

@@ -107,7 +107,7 @@ def _detokenize(state: ServerState, req: DetokenizeRequest) -> Response:
 
 def _responses_prompt(state: ServerState, req: ResponsesInputTokensRequest, served: str) -> int:
     body = req.model_copy(update={"input": req.input if req.input is not None else []})
-    _, prompt, _ = prepare(state, body, served, read_tools(req.tools))
+    _, prompt, _, _ = prepare(state, body, served, read_tools(req.tools))
     return len(prompt)
 
 
@@ -122,7 +122,7 @@ def routes(state: ServerState) -> list[tuple[str, Any, bool]]:
 
     async def count_chat_input_tokens(req: ChatBody):
         _served(state, req.model)
-        prompt, _ = await asyncio.to_thread(render, state, req)
+        prompt, _, _ = await asyncio.to_thread(render, state, req)
         return {"object": INPUT_TOKENS, "input_tokens": len(prompt)}
 
     async def tokenize(req: TokenizeRequest):
