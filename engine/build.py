@@ -5,7 +5,7 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,14 @@ from engine.errors import NInferError
 from engine.memory.geometry import PAGE_SIZE, state_slots, state_snapshots
 from engine.ledger import MIB, Ledger, ModelShape, build_ledger
 from engine.ledger.placement import fit_experts
+from engine.ledger.vision import VisionShape
 from engine.model.config import ModelConfig
 from engine.model.formats import pick_dtype, pick_kv_dtype, weight_format
 from engine.kernel_cache import use_kernel_cache
 from engine.model.linear import LOW_BIT, dense_cpu_dtype, dense_prefill_rows, use_cpu_kernel
 from engine.model.registry import build_model
 from engine.model.loader import load_weights
+from engine.model.gguf_mmproj import load_mmproj_vision
 from engine.model.image_processing import ImageInputError
 from engine.model.vision_input import VisionModel
 from engine.model.weights import Progress
@@ -55,7 +57,8 @@ class LoadedEngine:
         return self.engine.context_tokens
 
 
-def size_kv(cfg: ModelConfig, device: torch.device, config: EngineConfig, cache_specs: list | None = None) -> Ledger:
+def size_kv(cfg: ModelConfig, device: torch.device, config: EngineConfig, cache_specs: list | None = None,
+            vision: VisionModel | None = None) -> Ledger:
     """The KV pools from the memory ledger (engine/ledger), on the memory free now that the weights are loaded: the
     GPU pool's pages (kv_capacity auto: what all sequences want, or what fits), the host tier's pages and the reach
     of one sequence. With the context left to the model (auto_context) a pool that cannot hold the model's whole
@@ -65,6 +68,8 @@ def size_kv(cfg: ModelConfig, device: torch.device, config: EngineConfig, cache_
     vram_mib = torch.cuda.mem_get_info(device)[0] // MIB if device.type == "cuda" else 0
     ram_mib = psutil.virtual_memory().available // MIB
     shape = ModelShape.from_config(cfg, cache_specs=cache_specs)
+    if vision is not None:  # the tower's activations for the largest image and the encoder cache
+        shape = replace(shape, vision=vision_shape(vision))
     ledger = build_ledger(shape, config, vram_mib=vram_mib, ram_mib=ram_mib, include_weights=False,
                           max_context=context)
     if auto_context and ledger.gpu_pages and ledger.reach_tokens < context \
@@ -131,7 +136,7 @@ class LoadedModel:
 # the settings load_model reads: two engines over one LoadedModel must agree on them (the self-check ran with the KV
 # dtype; --cpu-compile, the weight dtype and the dense prompt path change the model's layers)
 MODEL_FIELDS = ("device", "threads", "weight_dtype", "kv_dtype", "prefill_cublas", "cpu_compile", "gdn_state_fp16",
-                "allow_lossy_format", "cpu_moe", "n_cpu_moe", "fit")
+                "allow_lossy_format", "cpu_moe", "n_cpu_moe", "fit", "mmproj")
 
 
 def experts_on_host(cfg: ModelConfig, device: torch.device, c: EngineConfig, path: Path) -> tuple[int, str]:
@@ -235,7 +240,11 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
     selfcheck.run(weights, net, fmt, kdtype, tokenizer, allow=c.allow_lossy_format)
     mtp_tensors = {n: t for n, t in weights.tensors.items() if is_mtp_tensor(n, cfg.num_layers)}
     del weights
-    vision = _load_vision(path, cfg, wdtype, dev)
+    vision = _load_vision(path, cfg, wdtype, dev, mmproj=c.mmproj, tokenizer=tokenizer)
+    if vision is not None:  # a bigger image is scaled down to fit, as by the processor's own max_pixels
+        vision.limit_pixels(c.max_image_pixels)
+        vision.encoder_cache.max_bytes = vision_shape(vision).encoder_cache_bytes(c.max_image_pixels,
+                                                                                  vision.tower.dtype.itemsize)
     freed = return_freed_memory()
     if freed >= 64 * MIB:
         log.info("memory: %.0f MiB the loading had freed handed back to the OS", freed / MIB)
@@ -243,21 +252,33 @@ def load_model(model: str | Path | None = None, config: EngineConfig | None = No
                        time.perf_counter() - t0, kv_name, vision)
 
 
-def _load_vision(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> VisionModel | None:
-    """The vision tower of an HF folder that has one (vision_config and model.visual.* weights), dense in the
-    model's activation dtype; None for GGUF files, text-only folders and folders whose image processor
-    (preprocessor_config.json) is missing or malformed (said in the log)."""
-    if not path.is_dir():
-        return None
+def vision_shape(vision: VisionModel) -> VisionShape:
+    """A loaded tower as the ledger counts it (its activations at the processor's largest image)."""
+    return VisionShape.from_config(vision.tower.cfg, vision.processor.max_pixels)
+
+
+def _load_vision(path: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, *, mmproj: str = "",
+                 tokenizer: Tokenizer | None = None) -> VisionModel | None:
+    """The vision tower of an HF folder that has one (vision_config and model.visual.* weights), or of a GGUF file
+    from its mmproj file (`mmproj`, or the one beside it: engine/model/gguf_mmproj.py), dense in the model's
+    activation dtype; None for text-only models and folders whose image processor (preprocessor_config.json) is
+    missing or malformed (said in the log)."""
+    if mmproj and path.is_dir():
+        raise NInferError(f"--mmproj {mmproj}: {path.name} is a model folder, its vision tower in its own weights.",
+                          "Drop --mmproj: it names the vision projector of a GGUF model file.")
     try:
-        vision = VisionModel.from_folder(path, dtype, device)
+        vision = VisionModel.from_folder(path, dtype, device) if path.is_dir() else \
+            load_mmproj_vision(path, mmproj, cfg.hidden_size, tokenizer, dtype, device)
     except ImageInputError as e:  # the tower without its image processor: the text model still serves
         log.warning("%s: the vision tower is not loaded, requests with images are refused: %s", path.name, e)
         return None
     if vision is not None:
         if not cfg.mrope_section:
-            raise NInferError(f"{path.name} has a vision tower, but its text config has no mrope_section: image "
-                              f"positions cannot be rotated.", "Download the model folder's config.json again.")
+            where, fix = ("config.json", "Download the model folder's config.json again.") if path.is_dir() else \
+                ("GGUF (no rope.dimension_sections)", "Convert the model again with a current llama.cpp, or serve it "
+                 "without its mmproj file, text only.")
+            raise NInferError(f"{path.name} has a vision tower, but its text config in the {where} has no "
+                              f"mrope_section: image positions cannot be rotated.", fix)
         log.info("vision tower: %d blocks, %s; images in prompts are read", vision.tower.cfg.depth,
                  str(dtype).removeprefix("torch."))
     return vision
@@ -278,7 +299,7 @@ def assemble_engine(model: LoadedModel, config: EngineConfig | None = None, **se
     if c.max_context > cfg.max_position:
         raise NInferError(f"--max-context {c.max_context} is beyond this model's trained context of "
                           f"{cfg.max_position} tokens.", f"Use --max-context {cfg.max_position} or less (0 = the model's).")
-    ledger = size_kv(cfg, dev, c.replace(kv_dtype=model.kv_name), net.cache_specs)
+    ledger = size_kv(cfg, dev, c.replace(kv_dtype=model.kv_name), net.cache_specs, model.vision)
     context, pages, host_pages = ledger.max_context, ledger.gpu_pages, ledger.host_pages
     log.info("KV: %d pages of %s (%s), %d host pages, context %d tokens", pages, ledger.kv_dtype,
              "auto" if ledger.kv_auto else "--kv-capacity", host_pages, context)

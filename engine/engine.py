@@ -156,7 +156,8 @@ class Engine:
         return dict(self.counters, running=len(s.running), waiting=len(s.waiting), preemptions=s.preemptions,
                     pages_total=self.pool.num_pages, pages_free=self.pool.num_free, page_size=self.pool.page_size,
                     pages_cached=self.pool.num_cached, **self.memory.stats(), **tier_stats(self.runner.pools.host, self.sequence_memory.tiers, s),
-                    **(self.speculator.stats() if self.speculator is not None else {}))
+                    **(self.speculator.stats() if self.speculator is not None else {}),
+                    **(self.vision.encoder_cache.stats() if self.vision is not None else {}))
 
     def step(self) -> bool:
         """Runs the engine on the calling thread, for tools and tests (never while the engine thread runs): applies
@@ -212,7 +213,9 @@ class Engine:
         if not plan:
             return
         drafts, started = {}, time.perf_counter()
-        if self.speculator is not None:  # not for a sequence with images (its drafter would rotate at the index)
+        # not for a sequence with images: a drafter keeps no M-RoPE positions (it would rotate at the index, not at
+        # index + rope_delta). Such sequences decode one token a step, so their tokens are those without --spec
+        if self.speculator is not None:
             decoding = [seq for seq, n in plan if n == 1 and seq.num_computed == len(seq.tokens) - 1
                         and seq.images is None]
             drafts = self.speculator.draft(decoding, self.memory)
@@ -267,13 +270,15 @@ class Engine:
                                       time.perf_counter() - started)
 
     def _image_chunk(self, seq: Sequence, start: int, n: int) -> dict:
-        """A prompt chunk of a sequence with images: its M-RoPE positions and the image rows inside it (the tower
-        runs for the sequence on its first chunk); {} for text-only sequences and for steps past the prompt (they
-        rotate at index + rope_delta)."""
+        """A prompt chunk of a sequence with images: its M-RoPE positions and the image rows inside it (the rows,
+        from the encoder cache or the tower, are made at the first chunk that holds image tokens: none where a
+        reused prefix covers every image); {} for text-only sequences and for steps past the prompt (they rotate
+        at index + rope_delta)."""
         images = seq.images
         if images is None or start >= images.positions.shape[1]:
             return {}
-        self.vision.embed(images, self.runner.model.dtype, self.runner.device)
+        if images.needs_rows(start, n):
+            self.vision.embed(images, self.runner.model.dtype, self.runner.device)
         return dict(rope_positions=images.chunk_positions(start, n), image_rows=images.chunk_rows(start, n))
 
     def _abort_check(self, seq: Sequence):

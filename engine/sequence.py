@@ -10,6 +10,7 @@ import torch
 
 from engine.memory.kv.table import PageTable
 from engine.memory.manager import SequenceMemory
+from engine.model.image_keys import KeyTokens
 from engine.sampling import SamplingParams
 
 
@@ -62,10 +63,13 @@ class Sequence:
     generator: torch.Generator = field(init=False)
     spec: object | None = None  # engine.speculative.speculator.SpecState while speculative decoding runs
     images: object | None = None  # engine.model.vision_input.PromptImages of a prompt with images
+    _key_tokens: object | None = field(init=False, repr=False)
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
         self.generator = self.params.make_generator()
+        self._key_tokens = None if self.images is None else \
+            KeyTokens(self.tokens, self.images.image_at.tolist(), self.images.key_ids)
 
     @property
     def pages(self) -> PageTable:
@@ -82,11 +86,13 @@ class Sequence:
         return 0 if self.images is None else self.images.delta
 
     @property
-    def shares_prefix(self) -> bool:
-        """Whether its KV pages and recurrent-state snapshots may come from, and go to, the prefix cache. Not for a
-        prompt with images: the cache keys pages by token ids alone, and every image has the same placeholder
-        tokens, so another image's pages would match (keys with image hashes: not yet)."""
-        return self.images is None
+    def cache_tokens(self):
+        """Its tokens as the prefix cache and the state snapshots key them: `tokens`, each image placeholder read as
+        an id from that image's content hash (engine/model/image_keys.py), so the same image at the same place
+        reuses the pages and a different one never matches. The same positions follow: equal keys up to a page
+        mean the same text and the same images (hence grids) before it, which is all the M-RoPE positions of
+        those tokens depend on."""
+        return self.tokens if self._key_tokens is None else self._key_tokens
 
     @property
     def to_compute(self) -> int:

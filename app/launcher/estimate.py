@@ -21,10 +21,12 @@ MIB = 2**20
 # How the ledger's lines are grouped into the bars' segments, in drawing order: (segment key, label, line keys)
 # (a hybrid's recurrent state, a fixed size per sequence, is a segment of its own: its slots, and its prefix
 # snapshots in host memory)
-SEGMENTS = (("weights", "weights", ("weights",)), ("draft", "draft", ("draft", "draft_kv")),
+# (a vision model's tower counts with the weights, its activations and encoder cache with the workspace)
+SEGMENTS = (("weights", "weights", ("weights", "vision")), ("draft", "draft", ("draft", "draft_kv")),
             ("kv", "KV", ("kv",)), ("host_kv", "host KV", ("host_kv",)),
             ("state", "recurrent state", ("state", "state_snapshots")),
-            ("other", "workspace", ("activations", "runtime")), ("headroom", "headroom", ("headroom",)))
+            ("other", "workspace", ("activations", "runtime", "vision_activations", "encoder_cache")),
+            ("headroom", "headroom", ("headroom",)))
 
 
 @dataclass

@@ -38,6 +38,13 @@ k4v4/rk4v4 18,432 B (1.125 MiB); rk4v4-e8 17,408 B (1.0625 MiB = 1.11 MB). The s
 for rk4v4-e8: our e8 layout is 1.0625 MiB (1.114 MB, so their figure reads like decimal MB), and fp16 scales give
 1.125 MiB; the two bracket it within 4%.
 
+Images (vision-language models)
+-------------------------------
+Image tokens are prompt tokens: each image's <|image_pad|> tokens (one per merged 2 x 2 block of patches, at most
+max_image_pixels / (patch x merge)^2) take KV pages like text tokens and count in the context. The tower adds its
+own lines (engine/ledger/vision.py): its weights, its activations for the largest image (max_image_pixels:
+the lower of the processor's max_pixels and --max-image-pixels), and the encoder cache in host memory.
+
 Recurrent state (hybrid models)
 -------------------------------
 Gated-DeltaNet (linear-attention) layers have no KV but a fixed state per sequence: per linear layer

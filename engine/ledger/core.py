@@ -12,6 +12,8 @@ from engine.ledger.common import (
     HOST_RUNTIME_MIB, MIB, PAGE_SIZE, WEIGHT_BITS, _DEFAULTS, _ceil_div)
 from engine.memory.geometry import KVLayout, KV_LAYOUTS, resolve_kv_dtype
 from engine.ledger.shapes import ModelShape
+from engine.ledger.vision import vision_lines
+from engine.memory.dtypes import FLOAT_FORMATS, auto_float
 
 
 @dataclass(frozen=True)
@@ -239,6 +241,9 @@ def build_ledger(shape: ModelShape, settings: Any = None, *, vram_mib: int, ram_
     act = chunk * shape.hidden * ACTIVATION_BYTES_PER_HIDDEN * (1 if on_gpu else 2) \
         + shape.vocab * 4 * conc * (1 + draft_tokens)
     add("activations", f"activations/workspace (prefill chunk {chunk})", act, estimate=True)
+    if shape.vision is not None:
+        act_bytes = (FLOAT_FORMATS.get(wdtype) or auto_float(on_gpu)).bits // 8  # the tower runs dense in it
+        vision_lines(add, shape.vision, int(s["max_image_pixels"]), act_bytes, include_weights, notes)
     speculative = spec not in ("none", "")
     snapshots = state_snapshots(conc, s["max_shared_prefixes"] != 0)
     # on a GPU decode steps run as static batches (engine/model/graphs.py, CUDA graphs or not): of more than 2
@@ -310,13 +315,15 @@ def _sum_text(lines: list[LedgerLine]) -> str:
 def _short(line: LedgerLine) -> str:
     return {"weights": "weights", "draft": "draft", "draft_kv": "draft KV", "headroom": "headroom",
             "activations": "activations", "state": "state", "kv": "KV", "runtime": "runtime",
-            "host_kv": "host KV", "host_experts": "host experts"}.get(line.key, line.key)
+            "host_kv": "host KV", "host_experts": "host experts", "vision": "vision tower",
+            "vision_activations": "vision activations", "encoder_cache": "encoder cache"}.get(line.key, line.key)
 
 
 _REMEDY = {
     "draft": "Use --spec mtp (a one-layer head) or --spec ngram (no weights), or --spec none.",
     "headroom": "Lower --kv-headroom-mib if nothing else needs that memory.",
     "activations": "Lower --prefill-chunk.",
+    "vision_activations": "Lower --max-image-pixels (bigger images are scaled down to fit).",
     "state": "Use --gdn-state-fp16 or a lower --max-concurrency.",
     "draft_kv": "Use a smaller draft model or --spec mtp / ngram.",
 }

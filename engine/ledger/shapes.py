@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from engine.errors import ModelLoadError
 from engine.ledger.common import GIB, SYNTHETIC_NAMES, WEIGHT_BITS
+from engine.ledger.vision import VisionShape
 from engine.memory.dtypes import FLOAT_FORMATS, auto_float
 from engine.memory.geometry import KV_LAYOUTS
 from engine.memory.specs import gated_delta_spec
@@ -58,6 +59,7 @@ class ModelShape:
     moe_layers: int = 0  # layers whose MLP is a mixture of experts
     expert_params: int = 0  # their routed experts' parameters, all MoE layers together (what --n-cpu-moe moves)
     experts: tuple[int, int] = (0, 0)  # (experts per MoE layer, experts a token runs)
+    vision: VisionShape | None = None  # a vision-language model's tower (engine/ledger/vision.py); None: text only
 
     # -- constructors
     @classmethod
@@ -105,8 +107,10 @@ class ModelShape:
         """From a model's metadata (engine.model.inspect.ModelInfo): its config when the engine runs it, else the
         dimensions read from the file."""
         if info.config is not None:
-            return cls.from_config(info.config, stored_bytes=info.stored_bytes, stored_format=info.stored_format,
-                                   source=info.kind, params=info.params or None, mtp_layers=info.mtp_layers)
+            shape = cls.from_config(info.config, stored_bytes=info.stored_bytes, stored_format=info.stored_format,
+                                    source=info.kind, params=info.params or None, mtp_layers=info.mtp_layers)
+            folder = Path(info.path)
+            return replace(shape, vision=VisionShape.from_folder(folder)) if folder.is_dir() else shape
         return cls(name=info.name, params=info.params, stored_bytes=info.stored_bytes,
                    stored_format=info.stored_format, source=info.kind, mtp_layers=info.mtp_layers,
                    linear=LinearAttention(*info.linear) if info.linear else None, **info.dims)

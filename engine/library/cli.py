@@ -33,7 +33,8 @@ def _files(args) -> int:
     print(f"planning for {vram:,} MiB VRAM, {ram:,} MiB RAM")
     for f in list_files(args.repo):
         mark = mark_hub_file(f, vram_mib=vram, ram_mib=ram, settings=settings)
-        print(f"{f.filename:<56} {f.quant or '?':<8} {_size(f.size):>10}  {mark}")
+        vision = f"  vision ({f.mmproj.filename}, {_size(f.mmproj.size)})" if f.vision else ""
+        print(f"{f.filename:<56} {f.quant or '?':<8} {_size(f.size):>10}  {mark}{vision}")
     return 0
 
 
@@ -56,8 +57,9 @@ def _list(args) -> int:
 
     for m in scan(args.folders):
         state = "" if m.supported else f"  [{m.problem or 'architecture not supported'}]"
+        vision = f"  vision ({m.mmproj.name})" if m.vision else ""
         print(f"{m.source:<12} {m.name:<60} {m.architecture or '?':<10} {m.quant or '?':<8} "
-              f"{m.context_length:>8,} ctx {_size(m.size):>10}{state}")
+              f"{m.context_length:>8,} ctx {_size(m.size):>10}{vision}{state}")
     return 0
 
 

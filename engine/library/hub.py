@@ -65,6 +65,11 @@ class HubFile:
     architecture: str = ""
     revision: str = "main"
     parts: tuple["HubFile", ...] = ()  # a split model: every part, part 1 first (this entry is part 1, size the sum)
+    mmproj: "HubFile | None" = None  # the vision projector in its folder (engine/library/mmproj.py), if any
+
+    @property
+    def vision(self) -> bool:
+        return self.mmproj is not None
 
     @property
     def split(self) -> tuple[int, int] | None:
@@ -150,9 +155,24 @@ def repo_architecture(repo_id: str, revision: str = "main") -> str:
     return str((getattr(info, "gguf", None) or {}).get("architecture") or "")
 
 
+def with_projectors(files: list[HubFile]) -> list[HubFile]:
+    """The model files, each with the vision projector (mmproj*.gguf) of its folder; projectors are not models of
+    their own, so they are not listed."""
+    import dataclasses
+    import posixpath
+
+    from engine.library.mmproj import is_mmproj, preferred
+
+    projectors = [f for f in files if is_mmproj(f.filename)]
+    folder = lambda f: posixpath.dirname(f.filename)  # noqa: E731
+    return [dataclasses.replace(f, mmproj=preferred([p for p in projectors if folder(p) == folder(f)],
+                                                    lambda p: posixpath.basename(p.filename)))
+            for f in files if not is_mmproj(f.filename)]
+
+
 def list_files(repo_id: str, revision: str = "main") -> list[HubFile]:
-    """The repository's .gguf files with size, quant, the published sha256 and the hub's architecture; a split
-    model's parts as one entry (see group_splits)."""
+    """The repository's .gguf models with size, quant, the published sha256 and the hub's architecture; a split
+    model's parts as one entry (see group_splits); a vision projector as the `mmproj` of the models beside it."""
     _guard(f"list the files of {repo_id}")
     try:
         from huggingface_hub.hf_api import RepoFile
@@ -162,9 +182,9 @@ def list_files(repo_id: str, revision: str = "main") -> list[HubFile]:
     except Exception as e:  # each hub error becomes a LibraryError that names it
         raise _hub_error(e, f"list the files of {repo_id}") from e
     arch = repo_architecture(repo_id, revision) if entries else ""
-    return group_splits([HubFile(repo_id, e.path, int(e.lfs.size if e.lfs else e.size),
-                                 e.lfs.sha256 if e.lfs else "", quant_of(e.path), arch, revision)
-                         for e in sorted(entries, key=lambda e: e.path)])
+    return with_projectors(group_splits([HubFile(repo_id, e.path, int(e.lfs.size if e.lfs else e.size),
+                                                 e.lfs.sha256 if e.lfs else "", quant_of(e.path), arch, revision)
+                                         for e in sorted(entries, key=lambda e: e.path)]))
 
 
 def file_url(f: HubFile) -> str:

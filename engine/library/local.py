@@ -1,8 +1,11 @@
 """Models already on disk: the GGUF files in the Hugging Face cache, in LM Studio's and Ollama's model stores, and in
 folders the user adds, each with architecture, parameters, quant, context length and size read from its header
-(no tensor data read). Ollama keeps GGUF files as content-addressed blobs named by its manifests."""
+(no tensor data read). Ollama keeps GGUF files as content-addressed blobs named by its manifests. A vision
+projector (llama.cpp's mmproj*.gguf, engine/library/mmproj.py) is not listed as a model: the models beside it
+carry its path and are vision-capable."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -10,6 +13,7 @@ from pathlib import Path
 from typing import Iterable
 
 from engine.library.header import HeaderInvalid, read_local_header
+from engine.library.mmproj import is_mmproj, mmproj_beside, preferred
 
 HF, LMSTUDIO, OLLAMA, FOLDER, EMBEDDED = "huggingface", "lmstudio", "ollama", "folder", "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded)"
@@ -29,6 +33,12 @@ class LocalModel:
     supported: bool = False
     problem: str = ""  # why the header could not be read, "" when it was
     parts: tuple[Path, ...] = ()  # a split model's files, part 1 (``path``) first
+    mmproj: Path | None = None  # the vision projector beside it (several: the one `mmproj.preferred` names)
+
+    @property
+    def vision(self) -> bool:
+        """Whether it reads images: a vision projector file lies beside it."""
+        return self.mmproj is not None
 
     @property
     def last_used(self) -> float | None:
@@ -124,17 +134,25 @@ def hf_cache_models(cache: Path | None = None) -> list[LocalModel]:
             continue
         for rev in sorted(repo.revisions, key=lambda r: r.last_modified, reverse=True):
             for f in sorted(rev.files, key=lambda f: f.file_name):
-                if f.file_name.lower().endswith(".gguf") and f.blob_path not in seen:
+                if f.file_name.lower().endswith(".gguf") and not is_mmproj(f.file_name) and f.blob_path not in seen:
                     seen.add(f.blob_path)
-                    out.append(describe(f.file_path, HF, f"{repo.repo_id}/{f.file_name}"))
+                    out.append(with_mmproj(describe(f.file_path, HF, f"{repo.repo_id}/{f.file_name}")))
     return [m for m in out if m is not None]
+
+
+def with_mmproj(model: LocalModel | None) -> LocalModel | None:
+    """The model with the vision projector beside its file, where there is one."""
+    if model is None:
+        return None
+    return dataclasses.replace(model, mmproj=preferred(mmproj_beside(model.path)))
 
 
 def folder_models(root: Path, source: str = FOLDER) -> list[LocalModel]:
     """Every .gguf under ``root``, named by its path relative to it (LM Studio: publisher/repo/file.gguf)."""
     if not root.is_dir():
         return []
-    found = [describe(p, source, p.relative_to(root).as_posix()) for p in sorted(root.rglob("*.gguf")) if p.is_file()]
+    found = [with_mmproj(describe(p, source, p.relative_to(root).as_posix())) for p in sorted(root.rglob("*.gguf"))
+             if p.is_file() and not is_mmproj(p.name)]
     return [m for m in found if m is not None]
 
 

@@ -130,4 +130,8 @@ def resolve_hf(spec: str, on_progress: Callable[[DownloadProgress], None] | None
         return _from_cache(repo_id, quant, e.problem.rstrip("."))
     f = pick(files, repo_id, quant)
     log.info("hf:%s: %s (%.2f GiB)", repo_id, f.filename, f.size / 2**30)
-    return download(f, on_progress=on_progress or _log_progress(), cancel=cancel)
+    path = download(f, on_progress=on_progress or _log_progress(), cancel=cancel)
+    if f.mmproj is not None:  # the vision projector too, beside the model, where the engine looks for it
+        log.info("hf:%s: vision projector %s (%.2f GiB)", repo_id, f.mmproj.filename, f.mmproj.size / 2**30)
+        download(f.mmproj, on_progress=on_progress or _log_progress(), cancel=cancel)
+    return path

@@ -23,6 +23,10 @@ step computes depends on where it starts.
 `check_admissions` (tests): after every admission, the prefix cache's and the windowed table's invariants are
 asserted (PrefixCache.check, TieredPages.check).
 
+Pages are keyed by the sequence's key tokens (engine/memory/kv/prefix.py: key_tokens): its token ids, each image
+placeholder read as an id from its image's content hash, so prompts with images share pages exactly as far as
+their text and images agree.
+
 `limit` (admission): a model with recurrent layers can resume only where a state snapshot exists, so the caller
 says how many of the matched full pages are usable (engine/memory/state.py); partial copies and host-stored pages,
 which no snapshot covers, are then not used."""
@@ -34,19 +38,13 @@ from typing import Callable
 from engine.memory.kv.cache import KVCache
 from engine.memory.kv.hostprefix import HostPrefixStore
 from engine.memory.kv.pages import PagePool
-from engine.memory.kv.prefix import PrefixCache
+from engine.memory.kv.prefix import PrefixCache, key_tokens
 from engine.memory.kv.table import PageList
 from engine.memory.kv.window import Tiering
 
 log = logging.getLogger("ninfer.scheduler")
 
 Limit = Callable[[list[bytes]], int]  # the chain keys of matched pages -> how many of them may be used
-
-
-def shares_prefix(seq) -> bool:
-    """Whether the sequence's pages may come from and go to the prefix cache (engine.sequence.Sequence.shares_prefix:
-    not for a prompt with images)."""
-    return getattr(seq, "shares_prefix", True)
 
 
 class AttentionMemory:
@@ -73,9 +71,8 @@ class AttentionMemory:
             if admitted and self.check_admissions:
                 self.check(seq)
             return admitted
-        if not shares_prefix(seq):
-            return self._admit_private(seq, recompute)
-        hits = self._match(seq, limit)
+        tokens = key_tokens(seq)
+        hits = self._match(tokens, limit)
         shared = [e.page for e in hits]
         need = self.pool.pages_for(len(seq.tokens) + 1) - len(shared)
         idle_hits = sum(1 for page in shared if self.pool.refcount(page) == 0)  # sharing them takes them off the LRU
@@ -86,13 +83,13 @@ class AttentionMemory:
         from_host = []
         if self.host_prefix is not None and self.prefix is not None and limit is None:
             cap = self.prefix.reusable_tokens(len(seq.tokens)) // self.pool.page_size
-            from_host = self.host_prefix.match(seq.tokens, len(shared), hits[-1].key if hits else b"", cap)
+            from_host = self.host_prefix.match(tokens, len(shared), hits[-1].key if hits else b"", cap)
             if from_host:
                 self.host_prefix.load(from_host, seq.pages[len(shared):len(shared) + len(from_host)])
         seq.num_computed = (len(shared) + len(from_host)) * self.pool.page_size
         copied = 0
         if self.prefix is not None and self.kv is not None and not from_host and limit is None:
-            source, copied = self.prefix.match_partial(seq.tokens, hits)
+            source, copied = self.prefix.match_partial(tokens, hits)
             if copied:  # copy on write: the cached page's KV into the sequence's own next page
                 self.kv.copy_pages([source.page], [seq.pages[len(shared)]])
                 seq.num_computed += copied
@@ -111,22 +108,10 @@ class AttentionMemory:
                       " after preemption" if recompute else "")
         return True
 
-    def _admit_private(self, seq, recompute: bool) -> bool:
-        """A sequence that must not share prefix pages (Sequence.shares_prefix): pages of its own, none reused, and
-        never registered with the prefix cache (it is not `admitted` there, so register and keep_tail skip it)."""
-        need = self.pool.pages_for(len(seq.tokens) + 1)
-        if need > self.pool.num_free:
-            return False
-        seq.pages = PageList(self.pool.allocate(need), self.pool.page_size)  # may evict idle cached pages
-        seq.num_computed = 0
-        if self.prefix is not None:
-            self._count_hit(seq, recompute)  # its prompt counts, as a miss
-        return True
-
-    def _match(self, seq, limit: Limit | None) -> list:
+    def _match(self, tokens, limit: Limit | None) -> list:
         if self.prefix is None:
             return []
-        hits = self.prefix.match(seq.tokens)
+        hits = self.prefix.match(tokens)
         return hits if limit is None or not hits else hits[:limit([e.key for e in hits])]
 
     def _reserve_tokens(self, seq) -> int:
@@ -156,13 +141,14 @@ class AttentionMemory:
         """The GPU prefix-cache entries and host prefix-store pages a windowed sequence starts from: its longest
         cached prefix, cut back to a depth where its steps compute what a cold prefill's compute
         (Tiering.reuse_depth) and, for recurrent layers, to a depth with a state snapshot."""
-        if self.prefix is None or self.kv is None or not shares_prefix(seq):
+        if self.prefix is None or self.kv is None:
             return [], []
-        hits = self.prefix.match(seq.tokens)
+        tokens = key_tokens(seq)
+        hits = self.prefix.match(tokens)
         stored = []
         if self.host_prefix is not None and limit is None:
-            cap = self.prefix.reusable_tokens(len(seq.tokens)) // self.pool.page_size
-            stored = self.host_prefix.match(seq.tokens, len(hits), hits[-1].key if hits else b"", cap)
+            cap = self.prefix.reusable_tokens(len(tokens)) // self.pool.page_size
+            stored = self.host_prefix.match(tokens, len(hits), hits[-1].key if hits else b"", cap)
         depth = self.tiers.reuse_depth(len(hits) + len(stored))
         while limit is not None and depth:  # as deep as a snapshot, at a depth reuse_depth allows
             usable = self.tiers.reuse_depth(limit([e.key for e in hits[:depth]]))
@@ -233,7 +219,7 @@ class AttentionMemory:
     def release(self, seq) -> None:
         """All its pages back to the pool (a plain sequence's partial last page stays cached as a tail)."""
         if seq.pages.windowed:
-            self.tiers.release(seq.pages, seq.tokens, self.host_prefix if shares_prefix(seq) else None)
+            self.tiers.release(seq.pages, key_tokens(seq), self.host_prefix)
         elif self.prefix is not None and self.kv is not None and seq.pages:
             self.prefix.keep_tail(seq)  # its partial last page stays cached (idle) for copies
         self.pool.deallocate(seq.pages)

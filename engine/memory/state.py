@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.memory.kv.prefix import page_key
+from engine.memory.kv.prefix import key_tokens, page_key
 from engine.memory.dtypes import float_format
 from engine.memory.specs import RecurrentSpec
 
@@ -156,10 +156,10 @@ class StateMemory:
 
     def _key(self, seq, pages: int) -> bytes:
         """The chain key of the sequence's first `pages` pages (computed once per page)."""
-        keys, ps = seq.memory.keys, self.page_size
+        keys, ps, tokens = seq.memory.keys, self.page_size, key_tokens(seq)
         while len(keys) < pages:
             n = len(keys)
-            keys.append(page_key(keys[-1] if keys else b"", seq.tokens[n * ps:(n + 1) * ps]))
+            keys.append(page_key(keys[-1] if keys else b"", tokens[n * ps:(n + 1) * ps]))
         return keys[pages - 1]
 
     # ---- around a step ------------------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ class StateMemory:
         if verify:
             self.pool.copy(st.slot, st.checkpoint)
             st.verify = (start, n)
-        if not self.max_snapshots or not getattr(seq, "shares_prefix", True):  # its snapshots would be reused
+        if not self.max_snapshots:
             return
         ps = self.page_size
         pos = min(start + n, len(seq.tokens)) // ps * ps  # the deepest page boundary of known tokens this step

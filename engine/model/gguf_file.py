@@ -165,7 +165,10 @@ def _hybrid(reader: GGUFReader, arch: str, path: Path, layers: int, head_dim: in
     linear = LinearAttentionConfig(k_heads, v_heads, int(need("ssm.state_size")), inner // v_heads,
                                    int(need("ssm.conv_kernel")))
     rotated = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
-    return {"layer_kinds": kinds, "linear": linear, "partial_rotary": rotated / head_dim}
+    # M-RoPE's frequencies per (time, height, width) row: llama.cpp writes four, the fourth 0 for Qwen3.5
+    sections = tuple(int(n) for n in (_field(reader, f"{arch}.rope.dimension_sections") or ())[:3])
+    return {"layer_kinds": kinds, "linear": linear, "partial_rotary": rotated / head_dim,
+            "mrope_section": sections if any(sections) else ()}
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:

@@ -84,9 +84,10 @@ def gguf_tensor_name(hf_name: str, layers: int, blocks: int) -> str:
 
 def write_qwen35_gguf(state: dict[str, torch.Tensor], cfg, path: Path, *, mtp: dict | None = None,
                       q8_0: bool = False, skip: tuple[str, ...] = (), replace: dict | None = None,
-                      arch: str = "qwen35", extra: dict | None = None) -> Path:
+                      arch: str = "qwen35", extra: dict | None = None, metadata=None) -> Path:
     """A transformers Qwen3.5 state dict as a qwen35 GGUF (F32, or Q8_0 linear weights); `mtp`: HF-named MTP
-    tensors appended as one nextn block; `skip` / `replace`: GGUF tensors left out or replaced."""
+    tensors appended as one nextn block; `skip` / `replace`: GGUF tensors left out or replaced; `metadata(writer)`
+    adds more keys (a vocabulary)."""
     import gguf
 
     layers, blocks = cfg.num_hidden_layers, cfg.num_hidden_layers + (1 if mtp else 0)
@@ -104,7 +105,7 @@ def write_qwen35_gguf(state: dict[str, torch.Tensor], cfg, path: Path, *, mtp: d
     rope = cfg.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_rope_dimension_count(int(cfg.head_dim * rope["partial_rotary_factor"]))
-    w.add_rope_dimension_sections([2, 1, 1, 0])
+    w.add_rope_dimension_sections([*rope.get("mrope_section", [2, 1, 1]), 0])
     w.add_vocab_size(cfg.vocab_size)
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
     w.add_ssm_state_size(cfg.linear_key_head_dim)
@@ -116,6 +117,8 @@ def write_qwen35_gguf(state: dict[str, torch.Tensor], cfg, path: Path, *, mtp: d
         w.add_nextn_predict_layers(1)
     for key, value in (extra or {}).items():
         w.add_uint32(key, value)
+    if metadata is not None:
+        metadata(w)
     for hf_name, t in {**state, **(mtp or {})}.items():
         name = gguf_tensor_name(hf_name, layers, blocks)
         if name in skip:
@@ -212,7 +215,9 @@ def test_gguf_config_reads_as_the_folders(checkpoint, gguf_f32):  # noqa: F811
     assert ours.arch == "qwen35" and ours.layer_kinds == ("recurrent",) * 3 + ("attention",) + ("recurrent",) * 3 + \
         ("attention",)
     assert ours.rms_eps == pytest.approx(ref.rms_eps)  # GGUF stores it as float32
-    assert replace(ours, name=ref.name, rms_eps=ref.rms_eps) == ref
+    # llama.cpp always writes rope.dimension_sections (M-RoPE for images); a text-only folder has no mrope_section
+    assert ours.mrope_section == (2, 1, 1) and ref.mrope_section == ()
+    assert replace(ours, name=ref.name, rms_eps=ref.rms_eps, mrope_section=()) == ref
 
 
 def test_gguf_logits_and_greedy_tokens_match_transformers(checkpoint, gguf_f32):  # noqa: F811

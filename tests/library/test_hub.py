@@ -27,7 +27,9 @@ def test_search_and_list_files_with_size_quant_sha_and_architecture(tiny_repo, h
     q4 = by_name["Tiny-Llama-Q4_K_M.gguf"]
     assert q4.quant == "Q4_K_M" and q4.size == len(tiny_repo.files[q4.filename])
     assert q4.sha256 == tiny_repo.sha(q4.filename) and q4.architecture == "llama"
-    assert by_name["mmproj-Tiny-F16.gguf"].quant == "F16"
+    # the vision projector is no model of its own: each model beside it carries it
+    assert "mmproj-Tiny-F16.gguf" not in by_name
+    assert q4.vision and (q4.mmproj.filename, q4.mmproj.quant) == ("mmproj-Tiny-F16.gguf", "F16")
 
 
 def test_header_from_ranges_matches_the_whole_file(tiny_repo, hub, tmp_path):

@@ -75,7 +75,7 @@ def test_without_a_keyring_the_token_goes_to_the_token_file_saying_so(tiny_repo,
     assert (hf_home / "token").read_text() == SECRET
     assert stat.S_IMODE((hf_home / "token").stat().st_mode) == 0o600
     assert token.load_token() == SECRET
-    assert sorted(f.quant for f in libhub.list_files(REPO)) == ["F16", "Q4_K_M", "Q8_0"]
+    assert sorted(f.quant for f in libhub.list_files(REPO)) == ["Q4_K_M", "Q8_0"]  # (the mmproj F16 rides along)
     monkeypatch.setenv("HF_TOKEN", "hf_from_the_environment")
     assert token.load_token() == "hf_from_the_environment"  # the environment wins
 

@@ -2,8 +2,11 @@
 prompt starts with the same tokens shares those pages instead of computing them again.
 
 - A page is identified by a key chained over token ids: ``key_i = blake2b(key_{i-1} + tokens of page i)``, so a key
-  names the whole prefix up to and including its page. An entry also keeps its page's tokens and its parent entry,
-  and a hit compares both: a hash collision can only cost a miss, never serve the wrong KV.
+  names the whole prefix up to and including its page. In a prompt with images each placeholder token counts as an
+  id derived from its image's content hash and its offset in the image (``key_tokens``, engine/model/image_keys.py):
+  pages after the same image match, pages after another image do not. An entry also keeps its page's tokens and
+  its parent entry, and a hit compares both: a collision of these keys can only cost a miss, never serve the wrong
+  KV (two images' placeholder ids agree only where 62 bits of their SHA-256 nearly do).
 - Only full pages whose KV has been computed are registered, by the sequence that computed them; a registered page
   is never written again (a sequence writes only from its ``num_computed`` on, which is past every page it shares).
   When a sequence computes a page whose key is already cached (two requests prefilling the same prefix at once), it
@@ -55,6 +58,12 @@ def resolve_max_shared_prefixes(setting: int | str, max_concurrency: int) -> int
     if value < 0:
         raise ValueError(f"max_shared_prefixes must be auto or >= 0, not {setting!r}")
     return value
+
+
+def key_tokens(seq):
+    """The tokens a sequence's pages are keyed by: its token ids, with each image placeholder read as an id from
+    that image's content hash (engine.sequence.Sequence.cache_tokens), so pages after different images differ."""
+    return getattr(seq, "cache_tokens", seq.tokens)
 
 
 def page_key(parent: bytes, tokens) -> bytes:
@@ -217,15 +226,15 @@ class PrefixCache:
         prog = self._progress.get(id(seq))
         if prog is None or prog.seq is not seq:
             return
-        p = self.page_size
-        full = min(seq.num_computed, len(seq.tokens)) // p
+        p, tokens = self.page_size, key_tokens(seq)
+        full = min(seq.num_computed, len(tokens)) // p
         if prog.pages >= full:
             return
         last = prog.last
         key = last.key if last is not None else b""
         while prog.pages < full:
             n = prog.pages
-            chunk = tuple(seq.tokens[n * p:(n + 1) * p])
+            chunk = tuple(tokens[n * p:(n + 1) * p])
             key = page_key(key, chunk)
             page = seq.pages[n]
             entry = self._by_key.get(key)
@@ -257,14 +266,14 @@ class PrefixCache:
         prog = self._progress.get(id(seq))
         if prog is None or prog.seq is not seq:
             return False
-        p = self.page_size
-        full, n = divmod(min(seq.num_computed, len(seq.tokens)), p)
+        p, all_tokens = self.page_size, key_tokens(seq)
+        full, n = divmod(min(seq.num_computed, len(all_tokens)), p)
         if n == 0 or prog.pages != full or full >= len(seq.pages):
             return False
         page = seq.pages[full]
         if self.pool.refcount(page) != 1 or page in self._by_page:
             return False
-        tokens = tuple(seq.tokens[full * p:full * p + n])
+        tokens = tuple(all_tokens[full * p:full * p + n])
         parent = prog.last
         for kid in list(self._kids(parent).values()):
             if kid.tokens[:n] == tokens:  # nothing new: a longer tail or a full page starts with these tokens
