@@ -381,3 +381,38 @@ def test_fetched_image_url_reads_like_the_inline_image(vl, image_host):
         for path, reason in refusals.items():
             r = post(server, "/v1/chat/completions", chat_body([image_url(image_host + path)]))
             assert r.status_code == 400 and reason in error_of(r)[0], (path, r.text)
+
+
+def test_a_resent_image_reports_cached_tokens_and_another_image_does_not_hit(vl):
+    """The same conversation with the same image sent again: usage reports the prefix read from the cache (whole
+    pages, through the image) and the answer and its logprobs are the first request's and transformers'; the same
+    text with another image of the same size reuses no more than the text before the image (on this hybrid: none,
+    no recurrent snapshot lies there), and its answer is transformers' for that image."""
+    hf, server = vl
+    tokenizer = server.state.loaded.tokenizer
+    before, after = "Look closely at the next picture, then say what you see. " * 4, " What is in it? " * 6
+    other = synthetic_image(100, 70, seed=9)  # the same size as IMAGES[0]: the same placeholder tokens
+
+    def ask(image):
+        return post(server, "/v1/chat/completions", chat_body([
+            {"type": "text", "text": before}, image_url(data_uri(png(image))), {"type": "text", "text": after}],
+            logprobs=True)).json()
+
+    def cached(body) -> int:
+        return body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+    count = token_counts([IMAGES[0]])[0]
+    prompt = user_prompt(before, count, after)
+    image_at = len([IM_START, *text_ids("user\n" + before)])  # where <|vision_start|> goes
+    first, again = ask(IMAGES[0]), ask(IMAGES[0])
+    text, logprobs, _ = oracle(hf, tokenizer, prompt, [IMAGES[0]])
+    assert first["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"] == text
+    assert cached(again) > image_at + count, (cached(again), image_at, len(prompt))  # past the image
+    ours = [[e["logprob"] for e in b["choices"][0]["logprobs"]["content"]] for b in (first, again)]
+    assert ours[1] == pytest.approx(ours[0], abs=1e-5) and ours[1] == pytest.approx(logprobs[:len(ours[1])], abs=1e-4)
+    changed = ask(other)
+    assert cached(changed) <= image_at, (cached(changed), image_at)
+    text_other, logprobs_other, _ = oracle(hf, tokenizer, prompt, [other])
+    assert changed["choices"][0]["message"]["content"] == text_other
+    mine = [e["logprob"] for e in changed["choices"][0]["logprobs"]["content"]]
+    assert mine == pytest.approx(logprobs_other[:len(mine)], abs=1e-4)
