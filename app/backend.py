@@ -1,6 +1,7 @@
 """The chat's backend, as a part of the Controller: the embedded engine's API or another OpenAI-compatible server
-(URL + key), and the server's mode (chat / agent) with the sampling values in force, read again every second so a
-switch made by another client (PUT /ninfer/v1/settings) shows here too."""
+(URL + key), the loaded model's /v1/models card (whether it reads images), and the server's mode (chat / agent) with
+the sampling values in force, read again every second so a switch made by another client (PUT /ninfer/v1/settings)
+shows here too."""
 from __future__ import annotations
 
 import logging
@@ -66,8 +67,31 @@ class BackendMixin:
             return None
         return getattr(getattr(s, "settings", None), "default_max_tokens", None)
 
+    async def read_model_card(self) -> None:
+        """The loaded model's /v1/models entry, read when the chat connects (refresh_mode); None when unreadable."""
+        card = None
+        if self.client is not None:
+            try:
+                card = next((m for m in await self.client.models() if m.get("id") == self.model_id), None)
+            except Exception as e:  # the chat still works; images are then left to the server to judge
+                log.debug("cannot read the server's model list: %s", e)
+        self.model_card = card
+
+    def model_reads_images(self) -> bool | None:
+        """Whether the loaded model reads images, by its card (``capabilities.vision``, else ``input_modalities``,
+        top-level or under ``architecture`` as llama-server's router has it); None when the card does not say."""
+        card = getattr(self, "model_card", None) or {}
+        if card.get("id") != self.model_id:
+            return None
+        vision = (card.get("capabilities") or {}).get("vision")
+        if isinstance(vision, bool):
+            return vision
+        modalities = card.get("input_modalities", (card.get("architecture") or {}).get("input_modalities"))
+        return "image" in modalities if isinstance(modalities, list) else None
+
     # ---- mode -----------------------------------------------------------------------------------------------------
     async def refresh_mode(self) -> None:
+        """The server's mode and sampling in force (and, as the chat has just connected, the model's card)."""
         data = None
         if self.client is not None:
             try:
@@ -75,6 +99,7 @@ class BackendMixin:
             except Exception as e:
                 log.warning("cannot read the server's settings: %s", e)
         self._set_mode_from(data)
+        await self.read_model_card()
 
     async def set_mode(self, mode: str) -> None:
         """Switches the server's default sampling (PUT /ninfer/v1/settings) and shows what is now in force."""

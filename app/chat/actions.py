@@ -1,6 +1,6 @@
 """What the chat transcript's links do, as a part of ChatPanel: copy a message or one of its code blocks (saying
 "Copied ✓" in place for a moment), edit a message to send it again (what followed stays as a branch), flip through an
-answer's versions or an edited message's branches, show or hide its reasoning, regenerate."""
+answer's versions or an edited message's branches, show or hide its reasoning, regenerate, open an image bigger."""
 from __future__ import annotations
 
 from PySide6.QtCore import QUrl
@@ -38,6 +38,7 @@ class TranscriptActions:
             return
         self.editing = index
         self.input.setPlainText(self.messages[index].content)
+        self.image_tray.set_images(self.messages[index].images)  # resent with the edited text unless removed
         self.input.setFocus()
         self.edit_bar.setVisible(True)
 
@@ -85,6 +86,8 @@ class TranscriptActions:
             self.edit(i)
         elif action == "regen":
             self.regenerate()
+        elif action == "image" and more:
+            self.show_image(i, more[0])
         elif action in ("reasoning", "result") and 0 <= i < len(self.messages):  # shown or hidden
             self.expanded ^= {self.messages[i].id}
             self.render()

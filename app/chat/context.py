@@ -1,13 +1,16 @@
 """How much of the model's context a conversation uses, and which turns are left out when it is full (Qt-free).
 
-Token counts are estimated from characters, calibrated by the server's own count: after each answer the usage it
-reports (prompt tokens for the characters sent) sets the characters-per-token ratio. When the conversation does not
+Token counts are estimated from characters (an image from its size, app/chat/images.py), calibrated by the server's
+own count: after each answer the usage it reports (prompt tokens for the characters sent) sets the characters-per-token
+ratio. When the conversation does not
 fit the context with room for the answer, the oldest turns are left out (the system prompt and the newest message
 always stay) and the chat says which; never silently.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from app.chat.images import content_tokens, text_of
 
 DEFAULT_CHARS_PER_TOKEN = 3.5
 MESSAGE_OVERHEAD = 4  # tokens a chat template adds around each message (role markers)
@@ -21,7 +24,7 @@ def estimate_tokens(text: str, chars_per_token: float = DEFAULT_CHARS_PER_TOKEN)
 def message_tokens(message: dict, chars_per_token: float) -> int:
     content = message.get("content") or ""
     calls = str(message.get("tool_calls") or "")
-    return estimate_tokens(content + calls, chars_per_token) + MESSAGE_OVERHEAD
+    return estimate_tokens(text_of(content) + calls, chars_per_token) + content_tokens(content) + MESSAGE_OVERHEAD
 
 
 def answer_reserve(context: int, max_tokens: int | None) -> int:

@@ -1,5 +1,6 @@
-"""Under the chat's input: the context bar (the conversation's tokens against the model's context window) and the
-text files attached to the next message (their text goes into the prompt and counts against the context)."""
+"""Under the chat's input: the context bar (the conversation's tokens against the model's context window), the
+text files attached to the next message (their text goes into the prompt and counts against the context) and the
+Attach image… button (the images themselves wait above the message box, app/chat/image_tray.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,6 +9,7 @@ from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QFileDialog, QHBoxLayout, QLabel, QProgressBar, QPushButton, QWidget
 
 from app.chat import context
+from app.chat.images import IMAGE_SUFFIXES, ImageRefused, read_image_file
 from app.widgets import last_folder, remember_folder
 
 MAX_ATTACHMENT_BYTES = 2_000_000
@@ -48,6 +50,11 @@ class ContextBar(QWidget):
         self.attach_button.setToolTip("Put a text file's contents into the next message")
         self.attach_button.clicked.connect(self.attach)
         layout.addWidget(self.attach_button)
+        self.image_button = QPushButton("Attach image…")
+        self.image_button.setToolTip("Send images with the next message (PNG, JPEG, WebP, GIF; also pasted with "
+                                     "Ctrl+V or dropped on the chat) to a model that reads images")
+        self.image_button.clicked.connect(lambda: self.chat.attach_image_files())
+        layout.addWidget(self.image_button)
         self.files = QLabel()
         self.files.setObjectName("Muted")
         self.files.setWordWrap(True)
@@ -86,6 +93,13 @@ class ContextBar(QWidget):
         path = path or self.ask_file()
         if not path:
             return None
+        if Path(path).suffix.lower() in IMAGE_SUFFIXES:  # an image goes with the message as an image, not as text
+            try:
+                image = read_image_file(Path(path))
+            except ImageRefused:
+                image = None  # not an image after all: said as a file that is not text, below
+            if image is not None:
+                return None if self.chat.attach_images([image]) else self.chat.notice.text()
         try:
             text = read_text_file(path)
         except (OSError, ValueError) as e:

@@ -1,11 +1,12 @@
 """Conversations to and from files (Qt-free): Markdown to read or share, JSON to import again (title, system prompt,
 the conversation's settings and every message with its numbers and the model that wrote it; tool calls and MCP
-tool results included)."""
+tool results included; a user message's images by content, base64, checked again on import as when attached)."""
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from app.chat.images import MAX_IMAGES, ChatImage, ImageRefused, image_from_part
 from app.chat.store import Conversation, Message
 
 FORMAT = "ninfer-conversation"
@@ -23,6 +24,7 @@ def to_markdown(conv: Conversation, messages: list[Message]) -> str:
             continue
         who = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
         out += [f"## {who}", ""]
+        out += [f"*[image: {im.name}, {im.width} x {im.height}]*" for im in m.images] + ([""] if m.images else [])
         if m.content:
             out += [m.content.rstrip(), ""]
         for call in m.tool_calls:
@@ -36,7 +38,8 @@ def to_json(conv: Conversation, messages: list[Message]) -> str:
         "format": FORMAT, "version": VERSION, "title": conv.title, "system_prompt": conv.system_prompt,
         "options": conv.options, **({"tools": conv.tools} if conv.tools else {}),
         "messages": [{"role": m.role, "content": m.content, "reasoning": m.reasoning, "tool_calls": m.tool_calls,
-                      "stats": m.stats, **({"model": m.model} if m.model else {})} for m in messages]},
+                      "stats": m.stats, **({"model": m.model} if m.model else {}),
+                      **({"images": [im.to_dict() for im in m.images]} if m.images else {})} for m in messages]},
         indent=2, ensure_ascii=False) + "\n"
 
 
@@ -63,7 +66,8 @@ def from_json(text: str) -> tuple[str, str, dict[str, Any], list[Message]]:
             raise ConversationFileError(f"Message {i + 1} has no role of system, user, assistant or tool. "
                                "Fix the file, or export the conversation again.")
         content = m.get("content") or ""
-        if not isinstance(content, str):  # OpenAI content parts: keep the text ones
+        images = _images(m, i)
+        if not isinstance(content, str):  # OpenAI content parts: the text ones (images: _images)
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         if m["role"] == "system" and not system:
             system = content
@@ -72,8 +76,25 @@ def from_json(text: str) -> tuple[str, str, dict[str, Any], list[Message]]:
         if m["role"] == "tool" and m.get("tool_call_id"):  # OpenAI-style: the call it answers
             stats.setdefault("tool_call_id", str(m["tool_call_id"]))
         messages.append(Message(m["role"], content, str(m.get("reasoning") or ""), list(m.get("tool_calls") or []),
-                                stats, model=str(m.get("model") or "")))
+                                stats, model=str(m.get("model") or ""), images=images))
     title = str(data.get("title") or next((m.content.splitlines()[0][:48] for m in messages
                                            if m.role == "user" and m.content.strip()), "Imported chat"))
     options = data.get("options") if isinstance(data.get("options"), dict) else {}
     return title, system, options, messages
+
+
+def _images(m: dict, i: int) -> list[ChatImage]:
+    """Message ``i``'s images: this app's ``images`` list, or OpenAI ``image_url`` parts with data: URIs."""
+    parts = m.get("content") if isinstance(m.get("content"), list) else []
+    try:
+        if isinstance(m.get("images"), list):
+            images = [ChatImage.from_dict(d) for d in m["images"] if isinstance(d, dict)]
+        else:
+            found = [p for p in parts if isinstance(p, dict) and p.get("type") == "image_url"]
+            images = [image_from_part(p, k) for k, p in enumerate(found)]
+    except ImageRefused as e:
+        raise ConversationFileError(f"Message {i + 1}: {e}") from None
+    if len(images) > MAX_IMAGES:
+        raise ConversationFileError(f"Message {i + 1} has {len(images)} images; a message holds at most "
+                                    f"{MAX_IMAGES}. Split it, or remove some from the file.")
+    return images

@@ -1,15 +1,19 @@
-"""The chat's message box: Enter sends, Shift+Enter adds a line."""
+"""The chat's message box: Enter sends, Shift+Enter adds a line; a pasted (or dropped) image goes to the chat's
+pending images, not into the text."""
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QMimeData, Qt, Signal
 from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import QPlainTextEdit
+
+from app.chat.image_tray import offers_images
 
 
 class MessageBox(QPlainTextEdit):
     """Enter sends, Shift+Enter adds a line."""
 
     submit = Signal()
+    images_offered = Signal(QMimeData)  # a paste or drop of image files or image data (handled at once)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -22,3 +26,12 @@ class MessageBox(QPlainTextEdit):
             self.submit.emit()
             return
         super().keyPressEvent(event)
+
+    def canInsertFromMimeData(self, source: QMimeData) -> bool:
+        return offers_images(source) or super().canInsertFromMimeData(source)
+
+    def insertFromMimeData(self, source: QMimeData) -> None:
+        if offers_images(source):
+            self.images_offered.emit(source)
+        else:
+            super().insertFromMimeData(source)

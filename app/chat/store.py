@@ -4,7 +4,8 @@ A conversation has a title, a system prompt, its own sampling options (temperatu
 ones follow the server's mode) and ordered messages; a message keeps its role, content, reasoning, tool
 calls, the numbers measured while it streamed (tokens, TTFT, tok/s) and, for an answer, the id of the model that
 wrote it ("" in a database from before models were recorded). A ``tool`` message is an MCP tool's result; its stats
-name the call it answers (``tool_call_id``), the tool and whether it failed. A conversation also keeps which MCP
+name the call it answers (``tool_call_id``), the tool and whether it failed. A user message keeps its images by
+content (base64 JSON, app/chat/images.py). A conversation also keeps which MCP
 servers' tools it offers the model. Writes commit at once, so a crash loses at most the
 message being streamed.
 """
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from app import paths
+from app.chat import images as chat_images
+from app.chat.images import ChatImage
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS conversations (
@@ -52,10 +55,11 @@ class Message:
     stats: dict[str, Any] = field(default_factory=dict)  # tokens, ttft, tok_s, finish, error
     id: int | None = None
     model: str = ""  # an answer: the id of the model that wrote it ("" when not recorded)
+    images: list[ChatImage] = field(default_factory=list)  # a user message's, in the order attached
 
     def api_dict(self) -> dict[str, Any]:
-        """As an OpenAI chat message (reasoning is not sent back)."""
-        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        """As an OpenAI chat message (reasoning is not sent back; images as content parts before the text)."""
+        d: dict[str, Any] = {"role": self.role, "content": chat_images.content(self.content, self.images)}
         if self.tool_calls:
             d["tool_calls"] = self.tool_calls
         if self.role == "tool":  # an MCP tool's result (app/chat/tools.py): which call it answers
@@ -85,6 +89,7 @@ class ConversationStore:
         self._add_column("conversations", "options", "TEXT NOT NULL DEFAULT '{}'")  # databases from earlier versions
         self._add_column("messages", "model", "TEXT NOT NULL DEFAULT ''")
         self._add_column("conversations", "tools", "TEXT NOT NULL DEFAULT '[]'")
+        self._add_column("messages", "images", "TEXT NOT NULL DEFAULT '[]'")
         self.db.commit()
 
     def _add_column(self, table: str, column: str, kind: str) -> None:
@@ -158,7 +163,8 @@ class ConversationStore:
         rows = self.db.execute("SELECT * FROM messages WHERE conversation_id=? ORDER BY position",
                                (conversation_id,)).fetchall()
         return [Message(r["role"], r["content"], r["reasoning"], json.loads(r["tool_calls"]), json.loads(r["stats"]),
-                        r["id"], r["model"]) for r in rows]
+                        r["id"], r["model"], [ChatImage.from_dict(d, check=False) for d in json.loads(r["images"])])
+                for r in rows]
 
     def append(self, conversation_id: int, message: Message) -> Message:
         (position,) = self.db.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id=?",
@@ -166,9 +172,10 @@ class ConversationStore:
         now = time.time()
         cur = self.db.execute(
             "INSERT INTO messages(conversation_id, position, role, content, reasoning, tool_calls, stats, created, "
-            "model) VALUES (?,?,?,?,?,?,?,?,?)",
+            "model, images) VALUES (?,?,?,?,?,?,?,?,?,?)",
             (conversation_id, position, message.role, message.content, message.reasoning,
-             json.dumps(message.tool_calls), json.dumps(message.stats), now, message.model))
+             json.dumps(message.tool_calls), json.dumps(message.stats), now, message.model,
+             json.dumps([im.to_dict() for im in message.images])))
         self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conversation_id))
         self.db.commit()
         message.id = cur.lastrowid

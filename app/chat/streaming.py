@@ -13,6 +13,7 @@ from contextlib import aclosing
 import httpx
 
 from app.chat import context, versions
+from app.chat.images import content_tokens, text_of
 from app.chat.store import Message
 from app.chat.tools import Offer, agent_sampling, answer_calls
 from app.client import ApiError
@@ -80,6 +81,8 @@ class TurnMixin:
                 self.streaming.stats["finish"] = "stopped"
                 self.store.update(self.streaming)
             self.streaming = None
+            if self.task is asyncio.current_task():  # the turn is over: Send works from now, not from the task's
+                self.task = None                     # done callback a moment later (a click between is lost)
             self.render()
             self._update_buttons()
             self.update_context()
@@ -133,9 +136,10 @@ class TurnMixin:
         prompt_tokens = (usage or {}).get("prompt_tokens")
         if prompt_tokens:
             msg.stats["prompt_tokens"] = prompt_tokens
-            chars = sum(len(m.get("content") or "") for m in messages)
-            self.chars_per_token = context.calibrate(chars, prompt_tokens, self.chars_per_token, self.last_count)
-            self.last_count = (chars, prompt_tokens)
+            chars = sum(len(text_of(m.get("content"))) for m in messages)
+            text_tokens = prompt_tokens - sum(content_tokens(m.get("content")) for m in messages)  # (images: estimated)
+            self.chars_per_token = context.calibrate(chars, text_tokens, self.chars_per_token, self.last_count)
+            self.last_count = (chars, text_tokens)
         msg.stats.update(tokens=tokens, finish=finish or msg.stats.get("finish"),
                          ttft=(first - t0) if first is not None else None,
                          tok_s=((tokens - 1) / (end - first)) if first is not None and tokens and tokens > 1

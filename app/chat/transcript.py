@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 
 from app.chat import render, versions
+from app.chat.images import thumb_size
 from app.chat.tool_render import tool_notice_html, tool_result_html
 from app.chat.store import Message
 
@@ -118,6 +119,8 @@ def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming
                         f'style="color:{t["muted"]}">{render.markdown(m.reasoning, t)}</td></tr></table>')
     if m.tool_calls:
         body.append(render.tool_calls_html(m.tool_calls, t))
+    if m.images:
+        body.append(images_html(i, m, t))
     if streaming:
         body.append(render.markdown(m.content + "▍", t))  # the cursor follows the text, even inside code
     elif m.content:
@@ -132,3 +135,15 @@ def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming
             if not streaming else "")
     return (f'<table width="100%" cellspacing="0" cellpadding="10" style="margin:6px 4px" bgcolor="{bg}">'
             f'<tr><td><b>{who}</b>{meta}{"".join(body)}{acts}</td></tr></table>')
+
+
+def images_html(i: int, m: Message, t: dict) -> str:
+    """A message's images as thumbnails (drawn by the chat's browser from ninfer-image:KEY), each a link that opens
+    it bigger (ninfer:image/N/K)."""
+    out = []
+    for k, im in enumerate(m.images):
+        w, h = thumb_size(im.width, im.height)
+        title = html.escape(f"{im.name} ({im.width} x {im.height}): click to open it bigger", quote=True)
+        out.append(f'<a href="ninfer:image/{i}/{k}" title="{title}"><img src="ninfer-image:{im.key}" width="{w}" '
+                   f'height="{h}" alt="{html.escape(im.name, quote=True)}"></a>')
+    return (f'<p style="margin:6px 0;color:{t["muted"]}">' + "&nbsp;&nbsp;".join(out) + "</p>")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.chat.images import ChatImage
 from app.chat.store import Message
 
 KEYS = ("versions", "version")
@@ -60,7 +61,8 @@ BRANCH_KEYS = ("branches", "branch")
 
 def _message_dict(m: Message) -> dict[str, Any]:
     return {"role": m.role, "content": m.content, "reasoning": m.reasoning, "tool_calls": list(m.tool_calls),
-            "stats": {k: v for k, v in m.stats.items() if k not in BRANCH_KEYS}, "model": m.model}
+            "stats": {k: v for k, v in m.stats.items() if k not in BRANCH_KEYS}, "model": m.model,
+            **({"images": [im.to_dict() for im in m.images]} if m.images else {})}
 
 
 def branch_count(m: Message) -> int:
@@ -87,7 +89,8 @@ def switch(tail: list[Message], k: int) -> list[Message] | None:
         return None
     chosen = every.pop(k)
     messages = [Message(d["role"], d["content"], d["reasoning"], list(d["tool_calls"]), dict(d["stats"]),
-                        model=d.get("model", "")) for d in chosen]
+                        model=d.get("model", ""), images=[ChatImage.from_dict(i, check=False)
+                                                          for i in d.get("images") or []]) for d in chosen]
     messages[0].stats["branches"] = every
     messages[0].stats["branch"] = k
     return messages

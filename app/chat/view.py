@@ -7,15 +7,15 @@ transcript dirty, and a timer repaints it a few times a second. Stop cancels the
 which aborts the request in the engine. Each answer records its tokens, time to first token and tokens per second.
 Regenerate keeps the earlier answers as versions to flip through (app/chat/versions.py). When the conversation outgrows
 the model's context, the oldest turns are left out of the prompt and the answer says so (app/chat/context.py). With
-MCP servers picked under Tools, a turn loops through approved tool calls (app/chat/streaming.py, tools.py).
+MCP servers picked under Tools, a turn loops through approved tool calls (app/chat/streaming.py, tools.py). Images are
+attached, pasted or dropped (app/chat/image_input.py) and sent as content parts before the message's text.
 """
 from __future__ import annotations
 
 import asyncio
 
 from PySide6.QtCore import QTimer, Signal
-from PySide6.QtWidgets import (QButtonGroup, QHBoxLayout, QLabel, QPushButton, QTextBrowser, QToolButton, QVBoxLayout,
-                               QWidget)
+from PySide6.QtWidgets import QButtonGroup, QHBoxLayout, QLabel, QPushButton, QToolButton, QVBoxLayout, QWidget
 
 from engine.errors import NInferError
 
@@ -23,6 +23,10 @@ from app import theme
 from app.chat import context, render, versions
 from app.asyncutil import spawn
 from app.chat.context_bar import ContextBar
+from app.chat.image_input import ImageInput
+from app.chat.image_tray import ImageTray
+from app.chat.image_view import TranscriptBrowser
+from app.chat.images import content as image_content
 from app.chat.message_box import MessageBox
 from app.chat.actions import TranscriptActions
 from app.chat.options import ChatOptions
@@ -42,7 +46,7 @@ def transcript_palette() -> dict[str, str]:
     return render.DARK if theme.is_dark() else render.LIGHT
 
 
-class ChatPanel(TurnMixin, TranscriptActions, QWidget):
+class ChatPanel(TurnMixin, TranscriptActions, ImageInput, QWidget):
     """``controller`` gives ``client`` (ApiClient), ``model_id``, ``set_mode()`` and the ``mode_changed`` signal."""
 
     generation_finished = Signal()
@@ -68,6 +72,7 @@ class ChatPanel(TurnMixin, TranscriptActions, QWidget):
         self.tools = ChatTools(controller.config)  # MCP servers' tools (app/chat/tools.py)
         self.mcp_dialog = None
         self._build()
+        self.setAcceptDrops(True)  # image files or data dropped anywhere on the chat (ImageInput.dropEvent)
         self._copied_timer = QTimer(self, singleShot=True, interval=COPIED_MS)
         self._copied_timer.timeout.connect(self._copied_done)
         self._timer = QTimer(self, interval=REPAINT_MS)
@@ -126,7 +131,7 @@ class ChatPanel(TurnMixin, TranscriptActions, QWidget):
         self.tools_bar.edit_requested.connect(self.edit_servers)
         layout.addWidget(self.tools_bar)
 
-        self.view = QTextBrowser()
+        self.view = TranscriptBrowser()
         self.view.setObjectName("Transcript")
         self.view.setOpenLinks(False)
         self.view.anchorClicked.connect(self._link)
@@ -155,9 +160,13 @@ class ChatPanel(TurnMixin, TranscriptActions, QWidget):
         layout.addWidget(self.notice)
         self.approval = ApprovalBar()  # a tool call waiting for the user's answer
         layout.addWidget(self.approval)
+        self.image_tray = ImageTray()  # the images the next message carries
+        self.image_tray.changed.connect(self.update_context)
+        layout.addWidget(self.image_tray)
         row = QHBoxLayout()
         self.input = MessageBox()
         self.input.submit.connect(lambda: self.send())
+        self.input.images_offered.connect(self.attach_images_from)
         self.input.textChanged.connect(self.update_context)
         row.addWidget(self.input, 1)
         buttons = QVBoxLayout()
@@ -185,6 +194,7 @@ class ChatPanel(TurnMixin, TranscriptActions, QWidget):
         self.system_toggle.setChecked(bool(conv and (conv.system_prompt or conv.options)))
         self.show_tools(conv.tools if conv else [])
         self.context_bar.clear_attachments()
+        self.image_tray.clear()
         self.notice.setVisible(False)
         self.cancel_edit()
         self.update_context()
@@ -257,15 +267,22 @@ class ChatPanel(TurnMixin, TranscriptActions, QWidget):
 
     def send(self, text: str | None = None) -> bool:
         text = (self.input.toPlainText() if text is None else text).strip()
-        if not text or self.busy or self.controller.client is None:
+        images = list(self.image_tray.images)
+        if not (text or images) or self.busy or self.controller.client is None:
+            return False
+        refusal = self.vision_refusal(images)  # the text and the images stay where they are
+        if refusal:
+            self.notice.setText(refusal)
+            self.notice.setVisible(True)
             return False
         text = self.context_bar.with_attachments(text)
         problem = self.context_bar.too_long(text)  # an estimate: said, never a refusal (the server counts exactly,
         self.notice.setText(problem or "")        # and its refusal shows as the answer's error)
         self.notice.setVisible(bool(problem))
         self.context_bar.clear_attachments()
+        self.image_tray.clear()
         conv = self._ensure_conversation()
-        user = Message("user", text)
+        user = Message("user", text, images=images)
         if self.editing is not None:  # what followed the edited message stays, as a branch to flip back to
             versions.edited(self.messages[self.editing:], user)
             self.store.truncate(conv.id, self.editing)
@@ -273,7 +290,7 @@ class ChatPanel(TurnMixin, TranscriptActions, QWidget):
             self.cancel_edit()
         self.messages.append(self.store.append(conv.id, user))
         if conv.title == NEW_TITLE:
-            conv.title = text.splitlines()[0][:48] or NEW_TITLE
+            conv.title = (text.splitlines() or [images[0].name])[0][:48] or NEW_TITLE
             self.store.rename(conv.id, conv.title)
             self.controller.conversations_changed(conv.id)
         self.input.clear()
@@ -317,8 +334,9 @@ class ChatPanel(TurnMixin, TranscriptActions, QWidget):
             self._update_buttons()
             self.generation_finished.emit()
 
-    def api_messages(self, extra: str | None = None) -> list[dict]:
-        """The conversation as the API takes it (``extra``: a message still being typed, for the context bar)."""
+    def api_messages(self, extra: str | list | None = None) -> list[dict]:
+        """The conversation as the API takes it (``extra``: the content of a message still being typed, for the
+        context bar)."""
         history = [m for m in self.messages if m is not self.streaming and not m.stats.get("error")
                    and (m.role != "assistant" or m.content or m.tool_calls)]
         system = self.system_prompt.toPlainText().strip()
@@ -326,9 +344,9 @@ class ChatPanel(TurnMixin, TranscriptActions, QWidget):
         return out + ([{"role": "user", "content": extra}] if extra else [])
 
     def update_context(self) -> None:
-        typed = self.input.toPlainText().strip()
-        self.context_bar.show_usage(self.api_messages(self.context_bar.with_attachments(typed) if typed or
-                                                      self.context_bar.attachments else None))
+        typed, images = self.input.toPlainText().strip(), self.image_tray.images
+        self.context_bar.show_usage(self.api_messages(image_content(self.context_bar.with_attachments(typed), images)
+                                                      if typed or self.context_bar.attachments or images else None))
 
     # ---- showing ---------------------------------------------------------------------------------------------------
     def show_mode(self, mode: str | None, sampling: dict | None) -> None:
@@ -371,6 +389,7 @@ class ChatPanel(TurnMixin, TranscriptActions, QWidget):
         bar = self.view.verticalScrollBar()
         at_bottom = self._stick or bar.value() >= bar.maximum() - 8
         position = bar.value()
+        self.view.set_images({im.key: im for m in self.messages for im in m.images})
         self.view.setHtml(self.transcript_html())
         bar.setValue(bar.maximum() if at_bottom else position)
         self._stick = at_bottom  # follow the answer; reading further up stops following
