@@ -322,3 +322,56 @@ def test_ngram_speculation_beside_an_image_gives_the_greedy_tokens(vl):
     assert results["none"][0] == hf_greedy(hf, prompt, pixels, grid, 32)
     assert results["none"][1] == hf_greedy(hf, text, n=32)
     assert stats.get("spec_drafted", 0) > 0  # measured: 12 drafted, 1 accepted
+
+
+@pytest.fixture(scope="module")
+def vl_mtp(vl, tmp_path_factory):
+    """The tiny VL checkpoint with one random MTP block (shaped as its attention layer, as Qwen3.5's published
+    mtp.* tensors are), loaded once: (transformers model, folder, LoadedModel)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from tests.engine.spec_models import add_tensors
+
+    hf, folder, _ = vl
+    copy = shutil.copytree(folder, tmp_path_factory.mktemp("vl-mtp") / "tiny-vl-mtp")
+    tensors = load_file(next(copy.glob("*.safetensors")))
+    prefix = next(n for n in tensors if n.endswith("layers.3.self_attn.q_proj.weight")).removesuffix("self_attn.q_proj.weight")
+    g = torch.Generator().manual_seed(11)
+    hidden = hf.config.text_config.hidden_size
+    mtp = {f"mtp.layers.0.{n.removeprefix(prefix)}": (0.3 if n.endswith("norm.weight") else 0.1)
+           * torch.randn(t.shape, generator=g) for n, t in tensors.items() if n.startswith(prefix)}
+    mtp |= {"mtp.fc.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=g),
+            **{f"mtp.{n}.weight": 0.3 * torch.randn(hidden, generator=g)
+               for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}}
+    add_tensors(copy, mtp)
+    return hf, copy, load_model(copy, device="cpu", max_context=512, max_concurrency=2)
+
+
+def test_mtp_speculation_beside_an_image_gives_the_greedy_tokens(vl_mtp):
+    """--spec mtp: a request with an image decodes without drafts (the MTP block would rotate at the index, not at
+    index + delta) and gives the tokens of the engine without speculation and transformers' greedy tokens; a
+    text-only request beside it drafts with the block (drafts counted, states rolled back) and is unchanged too."""
+    hf, folder, model = vl_mtp
+    image = synthetic_image(*SIZE, seed=7)
+    pixels, grid, prompt = conversation(folder, image, [3, 4, 5, 3, 4, 5], [3, 4, 5, 3, 4, 5, 3, 4])
+    text = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    results, stats = {}, {}
+    for spec in ("none", "mtp"):  # mtp last: its engine takes the block's tensors
+        engine = assemble_engine(model, spec=spec, draft_tokens=3).engine if spec == "mtp" else \
+            assemble_engine(model).engine
+        if engine.speculator is not None:
+            engine.speculator.adaptive = False
+        engine.start()
+        try:
+            with_image, alone = engine.submit(prompt, params, images=[image]), engine.submit(text, params)
+            results[spec] = ([t for o in with_image for t in o.token_ids], [t for o in alone for t in o.token_ids])
+            stats[spec] = engine.stats()
+        finally:
+            engine.shutdown()
+    assert results["mtp"] == results["none"]
+    assert results["none"][0] == hf_greedy(hf, prompt, pixels, grid, 32)
+    assert results["none"][1] == hf_greedy(hf, text, n=32)
+    assert stats["mtp"]["spec_method"] == "mtp" and stats["mtp"]["spec_drafted"] > 0
