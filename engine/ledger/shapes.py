@@ -109,8 +109,9 @@ class ModelShape:
         if info.config is not None:
             shape = cls.from_config(info.config, stored_bytes=info.stored_bytes, stored_format=info.stored_format,
                                     source=info.kind, params=info.params or None, mtp_layers=info.mtp_layers)
-            folder = Path(info.path)
-            return replace(shape, vision=VisionShape.from_folder(folder)) if folder.is_dir() else shape
+            where = Path(info.path)  # the tower: the folder's own, or the mmproj file beside a GGUF
+            return replace(shape, vision=VisionShape.from_folder(where) if where.is_dir() else
+                           VisionShape.from_gguf(where))
         return cls(name=info.name, params=info.params, stored_bytes=info.stored_bytes,
                    stored_format=info.stored_format, source=info.kind, mtp_layers=info.mtp_layers,
                    linear=LinearAttention(*info.linear) if info.linear else None, **info.dims)

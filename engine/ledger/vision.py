@@ -60,6 +60,22 @@ class VisionShape:
             return None
         return cls.from_config(cfg, max_pixels)
 
+    @classmethod
+    def from_gguf(cls, model: Path) -> "VisionShape | None":
+        """A GGUF model's tower from the one mmproj*.gguf beside it (its keys and tensor table), or None: no such
+        file, or one the engine would not load (it then serves the model as text, and so is it counted)."""
+        from engine.errors import NInferError
+        from engine.model.gguf_mmproj import find_mmproj, read_mmproj_shape
+
+        try:
+            path = find_mmproj(model, "")
+            if path is None:
+                return None
+            cfg, processor = read_mmproj_shape(path)
+        except NInferError:
+            return None
+        return cls.from_config(cfg, processor.max_pixels)
+
     def pixels(self, max_image_pixels: int) -> int:
         """The largest image the engine reads: the processor's bound or the setting, whichever is lower."""
         return min(self.max_pixels, max_image_pixels) if self.max_pixels else max_image_pixels

@@ -206,6 +206,18 @@ def read_mmproj(path: Path, text_hidden: int) -> tuple[VisionConfig, dict[str, t
     return cfg, _tower_tensors(arrays, cfg, path), read_processor(reader, cfg)
 
 
+def read_mmproj_shape(path: Path) -> tuple[VisionConfig, ImageProcessorConfig]:
+    """(tower config, image processor) of an mmproj file from its keys and tensor table alone (nothing dequantized):
+    what the memory ledger counts; MmprojError (NInferError) where it cannot be this engine's tower."""
+    from types import SimpleNamespace
+
+    reader = open_gguf(path)
+    _check_kind(reader, path)
+    shapes = {t.name: SimpleNamespace(shape=tuple(int(d) for d in reversed(t.shape.tolist()))) for t in reader.tensors}
+    cfg = read_vision_config(reader, path, shapes)
+    return cfg, read_processor(reader, cfg)
+
+
 def load_mmproj_vision(model: Path, setting: str, text_hidden: int, tokenizer, dtype: torch.dtype,
                        device: torch.device):
     """The VisionModel of a GGUF model from its mmproj file (`setting`, or the one beside the model), None where it

@@ -309,3 +309,32 @@ def test_resolving_an_hf_reference_downloads_the_mmproj_beside_the_model(vl, hub
     assert (path.parent / "mmproj-Tiny-VL-F32.gguf").read_bytes() == (gguf_dir / MMPROJ).read_bytes()
     listed = [(m.name, m.vision) for m in local.hf_cache_models()]
     assert listed == [("test-org/Tiny-VL-GGUF/Tiny-VL-F32.gguf", True)]
+
+
+def test_the_ledger_counts_the_mmproj_tower_beside_a_gguf(vl, models, tmp_path):
+    """The launcher's and ninfer-doctor's ledger (ModelShape.from_path, metadata only) of the GGUF finds the
+    mmproj beside it: the same tower lines as the HF folder's, and as the loaded tower's own shape; the text GGUF
+    alone has none."""
+    from engine.build import vision_shape
+    from engine.config.engine_config import EngineConfig
+    from engine.ledger import ModelShape, build_ledger
+
+    _, folder, gguf_dir = vl
+    from_gguf, from_folder = ModelShape.from_path(gguf_dir / TEXT_GGUF), ModelShape.from_path(folder)
+    assert from_gguf.vision is not None and from_gguf.vision == from_folder.vision
+    assert from_gguf.vision == replace_pixels(vision_shape(models[0].vision), from_gguf.vision.max_pixels)
+    config = EngineConfig(max_context=512, max_concurrency=1)
+    keys = ("vision", "vision_activations", "encoder_cache")
+    gguf_lines, folder_lines = ([build_ledger(shape, config, vram_mib=0, ram_mib=16_000).line(k).bytes for k in keys]
+                                for shape in (from_gguf, from_folder))
+    assert gguf_lines == folder_lines and all(gguf_lines)
+    alone = tmp_path / TEXT_GGUF
+    shutil.copy(gguf_dir / TEXT_GGUF, alone)
+    assert ModelShape.from_path(alone).vision is None
+
+
+def replace_pixels(shape, max_pixels: int):
+    """A loaded tower's shape at the file's own pixel bound (the loaded one is capped by --max-image-pixels)."""
+    from dataclasses import replace
+
+    return replace(shape, max_pixels=max_pixels)
