@@ -12,8 +12,11 @@ from engine.server.bodies import ThreadedBodyRoute
 from engine.server.chat import chat_completions
 from engine.server.completions import completions
 from engine.server.images import vision_of
-from engine.server.mcp_tools import chat_with_mcp, mcp_entries
-from engine.server.messages import MessagesRequest, count_tokens, messages
+from engine.server.mcp_chat import chat_with_mcp
+from engine.server.mcp_messages import messages_with_mcp
+from engine.server.mcp_responses import responses_with_mcp
+from engine.server.mcp_tools import mcp_entries
+from engine.server.messages import MessagesRequest, count_tokens, messages, uses_mcp
 from engine.server.responses import ResponsesRequest, responses
 from engine.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine.server.state import ServerState
@@ -54,9 +57,13 @@ def create_app(state: ServerState) -> FastAPI:
         return await completions(req, state, request)
 
     async def create_response(req: ResponsesRequest, request: Request):
+        if mcp_entries(req.tools) and state.settings.mcp_config:  # without --mcp-config: left out as hosted tools
+            return await responses_with_mcp(req, state, request)
         return await responses(req, state, request)
 
     async def create_message(req: MessagesRequest, request: Request):
+        if uses_mcp(req):
+            return await messages_with_mcp(req, state, request)
         return await messages(req, state, request)
 
     async def count_message_tokens(req: MessagesRequest):

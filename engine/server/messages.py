@@ -33,7 +33,8 @@ _THINKING_EFFORT = {"enabled": "high", "disabled": "none", "adaptive": None}
 
 class MessagesRequest(_Open):
     """Anthropic's request body; fields this server has no use for (metadata, context_management, output_config,
-    service_tier, container, mcp_servers, ...) are accepted and ignored."""
+    service_tier, container, ...) are accepted and ignored; mcp_servers run the servers of --mcp-config
+    (engine.server.mcp_messages)."""
     model: str
     messages: list[dict[str, Any]] = Field(max_length=MAX_MESSAGES)
     system: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES)] | None = None
@@ -46,6 +47,12 @@ class MessagesRequest(_Open):
     tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+
+
+def uses_mcp(req: MessagesRequest) -> bool:
+    """Does the request ask for MCP servers (Anthropic's MCP connector: mcp_servers, mcp_toolset tools)?"""
+    return bool((req.model_extra or {}).get("mcp_servers")) or \
+        any(isinstance(t, dict) and t.get("type") == "mcp_toolset" for t in req.tools or [])
 
 
 def _bad(message: str, param: str) -> APIError:
@@ -326,7 +333,8 @@ def prepare(state: ServerState, req: MessagesRequest, served: str):
     return chat, omitted, prompt, in_reasoning, images
 
 
-async def messages(req: MessagesRequest, state: ServerState, request=None):
+async def start_reply(req: MessagesRequest, state: ServerState) -> tuple[MessageReply, list[str]]:
+    """The request read, rendered and submitted: (its reply, to stream or to collect; the tools left out)."""
     served = state.check_model(req.model)
     loaded = state.ready()
     if req.max_tokens is None:
@@ -344,7 +352,11 @@ async def messages(req: MessagesRequest, state: ServerState, request=None):
                     tool_names=offered_tools(chat.tools, chat.tool_choice),
                     parallel_calls=parallel_calls(chat))
     hide = (req.thinking or {}).get("display") == "omitted"
-    reply = MessageReply(req.model, streams, choice, len(prompt), hide_thinking=hide)
+    return MessageReply(req.model, streams, choice, len(prompt), hide_thinking=hide), omitted
+
+
+async def messages(req: MessagesRequest, state: ServerState, request=None):
+    reply, omitted = await start_reply(req, state)
     if req.stream:
         return StreamingResponse(reply.sse(), media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **omitted_header(omitted)})

@@ -1,6 +1,8 @@
 """POST /v1/responses: the Responses API as Codex CLI and the Agents SDK use it, mapped onto the chat pipeline.
 The request is read by engine.server.responses_input (input items, tools of every kind Codex sends), the answer
-written by engine.server.responses_reply (output items and their events)."""
+written by engine.server.responses_reply (output items and their events). With --mcp-config set, hosted `mcp` tools
+naming configured servers run here (engine.server.mcp_responses); without it they are left out like other hosted
+tools."""
 from __future__ import annotations
 
 import asyncio
@@ -99,7 +101,8 @@ def check_nothing_stored(req: ResponsesRequest) -> None:
                                 f"conversation in input (as Codex does with store=false).", param=field)
 
 
-async def responses(req: ResponsesRequest, state: ServerState, request=None):
+async def start_reply(req: ResponsesRequest, state: ServerState) -> ResponseReply:
+    """The request read, rendered and submitted: its reply, to stream or to collect."""
     served = state.check_model(req.model)
     loaded = state.ready()
     check_nothing_stored(req)
@@ -118,8 +121,12 @@ async def responses(req: ResponsesRequest, state: ServerState, request=None):
     choice = Choice(0, loaded.tokenizer, [], reasoning=reasoning, starts_in_reasoning=in_reasoning,
                     tool_names=offered_tools(chat.tools, chat.tool_choice),
                     parallel_calls=parallel_calls(chat))
-    reply = ResponseReply(req, streams, choice, len(prompt), tools)
-    headers = omitted_header(tools.omitted)
+    return ResponseReply(req, streams, choice, len(prompt), tools)
+
+
+async def responses(req: ResponsesRequest, state: ServerState, request=None):
+    reply = await start_reply(req, state)
+    headers = omitted_header(reply.tools.omitted)
     if req.stream:
         return StreamingResponse(reply.sse(), media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     return JSONResponse(await unless_disconnected(request, reply.whole()), headers=headers)

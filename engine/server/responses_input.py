@@ -6,7 +6,8 @@ NAMESPACE__NAME, and its calls come back with `namespace` set); `custom` (free-f
 function with one string argument `input`; a regex grammar `format` constrains that string when the call is forced,
 a lark grammar is shown to the model in the description); `local_shell` (a function `local_shell` taking the
 command as a list of words). Hosted tools the server cannot run (web_search, file_search, image_generation,
-code_interpreter, computer use, remote MCP, ...) are left out of the prompt and listed in `omitted_tools`.
+code_interpreter, computer use, ...; `mcp` without --mcp-config) are left out of the prompt and listed in
+`omitted_tools`. Input may hold the `mcp_call` and `mcp_list_tools` items of an earlier answer.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.mcp.names import exposed_name
 from engine.server.errors import APIError, shown
 from engine.server.images import image_part
 from engine.server.omitted import hosted_tool_name
@@ -267,11 +269,18 @@ def read_input(instructions: str | None, items: str | list[dict], tools: Respons
             args.update({k: v for k, v in (("workdir", action.get("working_directory")),
                                            ("timeout_ms", action.get("timeout_ms"))) if v is not None})
             call(item.get("call_id") or item.get("id"), LOCAL_SHELL, json.dumps(args, ensure_ascii=False))
+        elif kind == "mcp_call":  # a server-side MCP call of an earlier answer: the call and its output
+            call(item.get("id"), exposed_name(str(item.get("server_label")), str(item.get("name"))),
+                 item.get("arguments") or "{}")
+            messages.append({"role": "tool", "tool_call_id": str(item.get("id") or ""),
+                             "content": str(item.get("output") or "")})
+        elif kind == "mcp_list_tools":
+            continue  # the tools are offered again with the request's own mcp tools
         elif kind in ("function_call_output", "custom_tool_call_output", "local_shell_call_output"):
             messages.append({"role": "tool", "tool_call_id": str(item.get("call_id") or item.get("id") or ""),
                              "content": _output(item, where)})
         else:
             raise APIError(400, f"{where} has type {shown(kind)}; supported: message, reasoning, function_call, "
                                 f"function_call_output, custom_tool_call, custom_tool_call_output, local_shell_call, "
-                                f"local_shell_call_output.", param=f"{where}.type")
+                                f"local_shell_call_output, mcp_call, mcp_list_tools.", param=f"{where}.type")
     return messages

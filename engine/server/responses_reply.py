@@ -91,7 +91,8 @@ class ResponseReply:
             "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
             "text": req.text or {"format": {"type": "text"}}, "store": False,
             "omitted_tools": self.tools.omitted,
-            "usage": {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+            "usage": {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached,
+                                                                               "cache_write_tokens": 0},
                       "output_tokens": out_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                       "total_tokens": self.prompt_tokens + out_tokens},
         }

@@ -123,11 +123,37 @@ def test_refusals_name_the_setting_or_field(serve, tmp_path):
     assert r.status_code == 400 and "'calc'" in r.json()["error"]["message"]
     r = chat(url, tools=[dict(ADD, require_approval="always")])
     assert r.status_code == 400 and "require_approval" in r.json()["error"]["message"]
-    r = chat(url, stream=True)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    r = chat(url, n=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+    r = chat(url, tools=[dict(ADD, server_url="http://127.0.0.1:9/mcp")])  # calc runs as a command, not a URL
+    assert r.status_code == 400 and "server_url" in r.json()["error"]["message"]
     url, _ = serve(["x"], ["--mcp-config", str(tmp_path / "missing.json")])
     r = chat(url)
     assert r.status_code == 500 and "not a file" in r.json()["error"]["message"]
+
+
+def test_streamed_the_final_answer_comes_in_chunks_and_the_calls_in_a_last_chunk(serve, tmp_path):
+    url, engine = serve([call_text("calc__add", {"a": 2, "b": 3}), "The sum is 5."],
+                        ["--mcp-config", str(mcp_json(tmp_path))])
+    r = chat(url, stream=True, stream_options={"include_usage": True})
+    assert r.status_code == 200, r.text
+    lines = [line[len("data: "):] for line in r.text.split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]" and lines.count("[DONE]") == 1
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert len({c["id"] for c in chunks}) == 1  # one completion over the rounds
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas[0]["role"] == "assistant" and sum("role" in d for d in deltas) == 1
+    assert not [d for d in deltas if d.get("tool_calls")]  # the round of calls ran here: not shown as calls
+    assert "".join(d.get("content") or "" for d in deltas) == "The sum is 5."
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finishes == ["stop"]
+    (summary,) = [c for c in chunks if "mcp_calls" in c]
+    assert summary["choices"] == [] and [(m["name"], m["output"]) for m in summary["mcp_calls"]] == [("add", "5")]
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(engine.prompts[0]) + len(engine.prompts[1])
+    assert "tool\n5\n" in engine.tokenizer.decode(engine.prompts[1])
+    from openai.types.chat import ChatCompletionChunk
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c)
 
 
 def test_off_loopback_without_a_key_is_refused(serve, tmp_path):
@@ -153,3 +179,25 @@ def test_the_default_model_makes_a_forced_call_that_runs(default_engine, tmp_pat
     assert ran and ran[0]["name"] == "add" and not ran[0]["error"], ran
     a, b = ran[0]["arguments"]["a"], ran[0]["arguments"]["b"]
     assert ran[0]["output"] == str(a + b)  # the grammar made schema-valid arguments; the tool added them
+
+
+@pytest.mark.slow
+def test_the_default_model_makes_a_forced_call_streamed_through_the_openai_client(default_engine, tmp_path):
+    import openai
+
+    settings, _ = load_settings(["--mcp-config", str(mcp_json(tmp_path))], {})
+    state = ServerState(settings, ["smol"])
+    state.loaded = default_engine
+    try:
+        with RunningServer(state) as running:
+            client = openai.OpenAI(base_url=running.base_url + "/v1", api_key="none")
+            chunks = list(client.chat.completions.create(
+                model="smol", messages=USER, tools=[ADD], temperature=0, max_tokens=48, stream=True,
+                tool_choice={"type": "function", "function": {"name": "calc__add"}}))
+    finally:
+        state.mcp.close()
+    (summary,) = [c for c in chunks if (c.model_extra or {}).get("mcp_calls") is not None]
+    ran = summary.model_extra["mcp_calls"]
+    assert ran and ran[0]["name"] == "add" and not ran[0]["error"], ran
+    assert ran[0]["output"] == str(ran[0]["arguments"]["a"] + ran[0]["arguments"]["b"])
+    assert not [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]  # the calls ran on the server
