@@ -138,14 +138,15 @@ class MainWindow(QMainWindow):
                 return None
             remember_folder(self.controller.config, "conversations", path)
         try:
-            title, system, options, messages = chat_io.from_json(Path(path).read_text(encoding="utf-8"))
+            got = chat_io.read_json(Path(path).read_text(encoding="utf-8"))
         except OSError as e:
             return self._say(f"Could not read {path}: {e.strerror or e}.")
         except chat_io.ConversationFileError as e:
             return self._say(f"Could not import {Path(path).name}: {e}")
-        store = self.controller.store
-        conv = store.create(title, system)
-        store.set_options(conv.id, options)
+        title, messages, store = got.title, got.messages, self.controller.store
+        conv = store.create(title, got.system_prompt)
+        store.set_options(conv.id, got.options)
+        store.set_tools(conv.id, got.tools)  # by name: one not configured here shows as unavailable under Tools
         for m in messages:
             store.append(conv.id, m)
         self.conversations.search.clear()

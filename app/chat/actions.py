@@ -14,10 +14,16 @@ class TranscriptActions:
     update_context() and regenerate()."""
 
     def show_version(self, index: int, k: int) -> None:
-        if not self.busy and 0 <= index < len(self.messages) and versions.show(self.messages[index], k):
-            self.store.update(self.messages[index])
-            self.render()
-            self.update_context()  # the version shown is what the next message builds on
+        """Shows version ``k`` of the turn whose answer begins at ``index``: all of its messages."""
+        if self.busy or not 0 <= index < len(self.messages):
+            return
+        end = versions.turn_end(self.messages, index)
+        shown = versions.show(self.messages[index:end], k)
+        if shown is None:
+            return
+        self.messages[index:end] = self.store.replace(self.conversation.id, index, end, shown)
+        self.render()
+        self.update_context()  # the version shown is what the next message builds on
 
     def show_branch(self, index: int, k: int) -> None:
         """Shows branch ``k`` from the edited message ``index`` on (what followed each version of it)."""

@@ -1,9 +1,11 @@
 """Conversations to and from files (Qt-free): Markdown to read or share, JSON to import again (title, system prompt,
-the conversation's settings and every message with its numbers and the model that wrote it; tool calls and MCP
+the conversation's settings, the MCP servers chosen under Tools (by name: one not configured where it is imported
+stays chosen and shows as unavailable), and every message with its numbers and the model that wrote it; tool calls and MCP
 tool results included; a user message's images by content, base64, checked again on import as when attached)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.chat.images import MAX_IMAGES, ChatImage, ImageRefused, image_from_part
@@ -47,9 +49,24 @@ class ConversationFileError(ValueError):
     """The file is not a conversation this app can read; the message says why and what to do."""
 
 
+@dataclass
+class ImportedConversation:
+    title: str
+    system_prompt: str
+    options: dict[str, Any]
+    messages: list[Message]
+    tools: list[str] = field(default_factory=list)  # the MCP servers chosen under Tools, by name
+
+
 def from_json(text: str) -> tuple[str, str, dict[str, Any], list[Message]]:
-    """(title, system prompt, options, messages) from a file written by to_json, or an OpenAI-style
-    ``{"messages": [...]}`` / bare message list."""
+    """(title, system prompt, options, messages) of ``read_json``."""
+    got = read_json(text)
+    return got.title, got.system_prompt, got.options, got.messages
+
+
+def read_json(text: str) -> ImportedConversation:
+    """A conversation from a file written by to_json, or an OpenAI-style ``{"messages": [...]}`` / bare message
+    list."""
     try:
         data = json.loads(text)
     except ValueError as e:
@@ -80,7 +97,16 @@ def from_json(text: str) -> tuple[str, str, dict[str, Any], list[Message]]:
     title = str(data.get("title") or next((m.content.splitlines()[0][:48] for m in messages
                                            if m.role == "user" and m.content.strip()), "Imported chat"))
     options = data.get("options") if isinstance(data.get("options"), dict) else {}
-    return title, system, options, messages
+    return ImportedConversation(title, system, options, messages, _tools(data))
+
+
+def _tools(data: dict) -> list[str]:
+    tools = data.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(t, str) and t.strip() for t in tools):
+        raise ConversationFileError(f'"tools" must be a list of server names (the MCP servers chosen under Tools), '
+                                    f"not {json.dumps(tools)[:80]}. Fix it in the file, or export the conversation "
+                                    "again.")
+    return list(dict.fromkeys(tools))
 
 
 def _images(m: dict, i: int) -> list[ChatImage]:

@@ -169,6 +169,11 @@ class ConversationStore:
     def append(self, conversation_id: int, message: Message) -> Message:
         (position,) = self.db.execute("SELECT COALESCE(MAX(position), -1) + 1 FROM messages WHERE conversation_id=?",
                                       (conversation_id,)).fetchone()
+        self._insert(conversation_id, position, message)
+        self.db.commit()
+        return message
+
+    def _insert(self, conversation_id: int, position: int, message: Message) -> None:
         now = time.time()
         cur = self.db.execute(
             "INSERT INTO messages(conversation_id, position, role, content, reasoning, tool_calls, stats, created, "
@@ -177,9 +182,21 @@ class ConversationStore:
              json.dumps(message.tool_calls), json.dumps(message.stats), now, message.model,
              json.dumps([im.to_dict() for im in message.images])))
         self.db.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conversation_id))
-        self.db.commit()
         message.id = cur.lastrowid
-        return message
+
+    def replace(self, conversation_id: int, start: int, end: int, messages: list[Message]) -> list[Message]:
+        """Messages ``start`` to ``end - 1`` give way to ``messages`` (a turn's answer switched to another
+        version); the messages after them follow, in their order."""
+        ids = [r[0] for r in self.db.execute("SELECT id FROM messages WHERE conversation_id=? ORDER BY position",
+                                             (conversation_id,)).fetchall()]
+        self.db.executemany("DELETE FROM messages WHERE id=?", [(i,) for i in ids[start:end]])
+        later = ids[end:]
+        self.db.executemany("UPDATE messages SET position=? WHERE id=?",
+                            [(start + len(messages) + n, i) for n, i in enumerate(later)])
+        for n, m in enumerate(messages):
+            self._insert(conversation_id, start + n, m)
+        self.db.commit()
+        return messages
 
     def update(self, message: Message) -> None:
         if message.id is None:

@@ -12,11 +12,15 @@ from PySide6.QtWidgets import QCheckBox, QHBoxLayout, QLabel, QPushButton, QVBox
 from engine.mcp.approvals import ALWAYS, APPROVE, DENY
 from engine.mcp.names import ToolInfo
 
+from app.chat.flow_layout import FlowLayout
+
 ARGS_SHOWN = 300  # characters of a call's arguments shown in the approval bar
 
 
 class ToolsBar(QWidget):
-    """One checkbox per server of mcp.json; ``changed`` when the user picks or drops one."""
+    """One checkbox per server of mcp.json, in rows that wrap to the chat's width; ``changed`` when the user picks
+    or drops one. A server the conversation chose that this machine's mcp.json lacks (an imported chat) or has
+    disabled keeps its checkbox, marked unavailable, so its name is never lost; unticking it drops it."""
 
     changed = Signal()
     edit_requested = Signal()
@@ -25,11 +29,10 @@ class ToolsBar(QWidget):
         super().__init__(parent)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 4)
-        self.row = QHBoxLayout()
+        self.row = FlowLayout()
         title = QLabel("Tools for this chat:")
         title.setObjectName("Muted")
         self.row.addWidget(title)
-        self.row.addStretch(1)
         self.require = QCheckBox("Call a tool first")
         self.require.setToolTip("The first answer of each turn must be a tool call (tool_choice \"required\"): "
                                 "for a small model that would not call one by itself")
@@ -45,6 +48,8 @@ class ToolsBar(QWidget):
         self.note.setWordWrap(True)
         layout.addWidget(self.note)
         self.boxes: dict[str, QCheckBox] = {}
+        self.order: list[str] = []  # the conversation's servers in its order (the ones ticked later follow)
+        self.unavailable: list[str] = []  # chosen, but not a usable server of mcp.json here
 
     def set_servers(self, servers: dict, chosen: list[str], error: str | None = None, require: bool = False) -> None:
         """``servers``: name -> ServerConfig (mcp.json); ``chosen``: the conversation's; ``error``: why mcp.json
@@ -56,24 +61,47 @@ class ToolsBar(QWidget):
             self.row.removeWidget(box)
             box.deleteLater()
         self.boxes = {}
-        for i, (name, server) in enumerate(s for s in servers.items() if not s[1].disabled):
-            box = QCheckBox(name)
-            box.setToolTip(f"Offer the tools of {name} ({server.describe()}) to the model in this chat. "
-                           "Each call waits for your approval.")
-            box.setChecked(name in chosen)
-            box.toggled.connect(self.changed)
-            self.row.insertWidget(1 + i, box)
-            self.boxes[name] = box
-        if error:
-            self.note.setText(error)
-        elif not self.boxes:
-            self.note.setText("No MCP servers yet: add one with MCP servers… (or put an mcp.json in the app's "
-                              "config folder).")
-        else:
-            self.note.setText("While tools are on, answers use Agent mode's sampling (this chat's own values win).")
+        usable = {name: server for name, server in servers.items() if not server.disabled}
+        self.order = list(dict.fromkeys(chosen))
+        self.unavailable = [name for name in self.order if name not in usable]
+        for name, server in usable.items():
+            self._add_box(name, f"Offer the tools of {name} ({server.describe()}) to the model in this chat. "
+                                "Each call waits for your approval.", name in chosen)
+        for name in self.unavailable:
+            self._add_box(name, f"{name} is not a server of mcp.json here (or is disabled): its tools are off. "
+                                "Untick it to drop it from this chat.", True,
+                          f"{name} (not configured)" if name not in servers else f"{name} (disabled)")
+        self.note.setText(self._note(error, servers))
+
+    def _add_box(self, name: str, tip: str, checked: bool, text: str | None = None) -> None:
+        box = QCheckBox(text or name)
+        box.setToolTip(tip)
+        box.setChecked(checked)
+        box.toggled.connect(self.changed)
+        self.row.insertWidget(1 + len(self.boxes), box)
+        self.boxes[name] = box
+
+    def _note(self, error: str | None, servers: dict) -> str:
+        said = [error] if error else []
+        for name in self.unavailable:
+            where = "disabled in mcp.json" if name in servers else "not configured on this machine"
+            said.append(f'This chat had the MCP server "{name}" on, but it is {where}: its tools are off. Add it '
+                        "under MCP servers… to use them (untick it to drop it).")
+        if said:
+            return " ".join(said)
+        if not self.boxes:
+            return ("No MCP servers yet: add one with MCP servers… (or put an mcp.json in the app's config "
+                    "folder).")
+        return "While tools are on, answers use Agent mode's sampling (this chat's own values win)."
 
     def chosen(self) -> list[str]:
-        return [name for name, box in self.boxes.items() if box.isChecked()]
+        """The servers the conversation keeps (unavailable ones included)."""
+        on = [name for name, box in self.boxes.items() if box.isChecked()]
+        return [n for n in self.order if n in on] + [n for n in on if n not in self.order]
+
+    def usable(self) -> list[str]:
+        """The chosen servers this machine's mcp.json has: those whose tools a turn may offer."""
+        return [name for name in self.chosen() if name not in self.unavailable]
 
 
 class ApprovalBar(QWidget):

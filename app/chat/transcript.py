@@ -48,11 +48,13 @@ def models_shown(messages: list[Message], current: str | None) -> bool:
 
 
 def transcript_html(messages: list[Message], streaming: Message | None, expanded: set[int], t: dict,
-                    copied: tuple[int, int | None] | None = None, current_model: str | None = None) -> str:
+                    copied: tuple[int, int | None] | None = None, current_model: str | None = None,
+                    busy: bool = False) -> str:
     """``streaming``: the answer being written (shown with a cursor, without actions); ``expanded``: ids of the
     messages whose reasoning is shown; ``t``: the transcript colours (render.LIGHT / render.DARK); ``copied``:
     (message index, code block or None for the whole message) just copied, said in place of its Copy link;
-    ``current_model``: the model loaded now (answers of others name theirs, see ``models_shown``)."""
+    ``current_model``: the model loaded now (answers of others name theirs, see ``models_shown``); ``busy``: a turn
+    is going on (streaming, or waiting on a tool call between its answers): no Regenerate or version links yet."""
     if not messages:
         tip = ("Ask anything. Answers stream from the model through its OpenAI-compatible API; the same API "
                "serves your editor or agent (see the Server tab).")
@@ -64,13 +66,13 @@ def transcript_html(messages: list[Message], streaming: Message | None, expanded
     for i, m in enumerate(messages):
         out.append(message_html(i, m, t, last_assistant=i == last_assistant, streaming=m is streaming,
                                 expanded=m.id in expanded, copied=copied[1] if copied and copied[0] == i else -1,
-                                named=named))
+                                named=named, busy=busy))
     out.append("</div>")
     return "".join(out)
 
 
 def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming: bool, expanded: bool,
-                 copied: int | None = -1, named: bool = False) -> str:
+                 copied: int | None = -1, named: bool = False, busy: bool = False) -> str:
     """One message as a table: who (with ``named``, an answer's model), its stats, reasoning (collapsed unless
     ``expanded``), tool calls, the text and its actions (links the chat view handles: ninfer:copy/N, copycode/N/B,
     edit/N, regen/N, reasoning/N, version/N/K). ``copied``: None when the message was just copied, B when its code
@@ -92,10 +94,10 @@ def message_html(i: int, m: Message, t: dict, *, last_assistant: bool, streaming
     else:
         bg, who = t["assistant_bg"], "Assistant"
         actions = [copy]
-        if last_assistant and not streaming:
+        if last_assistant and not (streaming or busy):
             actions.append(f'<a href="ninfer:regen/{i}" {link}>Regenerate</a>')
         n = versions.count(m)
-        if n > 1 and not streaming:
+        if n > 1 and not (streaming or busy):
             k = m.stats.get("version", n - 1)
             prev = f'<a href="ninfer:version/{i}/{k - 1}" {link}>‹</a>' if k > 0 else "‹"
             after = f'<a href="ninfer:version/{i}/{k + 1}" {link}>›</a>' if k < n - 1 else "›"

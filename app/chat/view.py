@@ -303,8 +303,7 @@ class ChatPanel(TurnMixin, TranscriptActions, ImageInput, QWidget):
         last_user = max((i for i, m in enumerate(self.messages) if m.role == "user"), default=None)
         if last_user is None:
             return False
-        answer = self.messages[last_user + 1] if last_user + 1 < len(self.messages) else None
-        before = versions.earlier(answer)  # the earlier answers stay, as versions of the new one
+        before = versions.earlier(self.messages[last_user + 1:])  # the earlier answers stay: versions of the new one
         self.store.truncate(self.conversation.id, last_user + 1)
         self.messages = self.messages[:last_user + 1]
         self._generate(before)
@@ -362,7 +361,7 @@ class ChatPanel(TurnMixin, TranscriptActions, ImageInput, QWidget):
     def _show_sampling(self) -> None:
         """The header's line: this conversation's own sampling values, then the mode's for the rest."""
         mode, sampling = self.mode_sampling
-        if self.tools_bar.chosen():  # while tools are on, the requests carry Agent mode's sampling
+        if self.tools_bar.usable():  # while tools are on, the requests carry Agent mode's sampling
             sampling, mode = agent_sampling(mode is not None), mode or "agent"
         self.sampling_label.setText(header_text(sampling, self.options.options(), mode is not None))
 
@@ -405,4 +404,4 @@ class ChatPanel(TurnMixin, TranscriptActions, ImageInput, QWidget):
     def transcript_html(self) -> str:
         self.shown_model = self.controller.model_id
         return transcript_html(self.messages, self.streaming, self.expanded, transcript_palette(), self.copied,
-                               self.shown_model)
+                               self.shown_model, busy=self.busy)
