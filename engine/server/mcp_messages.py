@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from engine.server.errors import APIError, anthropic_error_body, shown
-from engine.server.mcp_rounds import OVER_LIMIT, Call, rounds, sse_parts
+from engine.server.mcp_rounds import OVER_LIMIT, Call, StartedRounds, rounds, sse_parts
 from engine.server.mcp_tools import Selection, check_served, configured, list_selected
 from engine.server.messages import start_reply
 from engine.server.messages_reply import _failure, sse_event
@@ -68,13 +68,12 @@ def selections(req, state) -> list[Selection]:
     return out
 
 
-class MessagesConversation:
+class MessagesConversation(StartedRounds):
     no_tools = {"type": "none"}
 
     def __init__(self, req, state, tools: list[dict]):
         self.req, self.state, self.tools = req, state, tools
         self.messages = list(req.messages)
-        self.reply = self.pending = None
         self.omitted: list[str] = []  # Anthropic's own tool types, left out
 
     @staticmethod
@@ -85,13 +84,6 @@ class MessagesConversation:
         """Starts the first round before the answer does, so what the request cannot do is its status code."""
         update = {"messages": self.messages, "tools": self.tools or None, "tool_choice": tool_choice, "stream": True}
         self.pending, self.omitted = await start_reply(self.req.model_copy(update=update), self.state)
-
-    async def round(self, tool_choice):
-        if self.pending is None:
-            await self.begin(tool_choice)
-        self.reply, self.pending = self.pending, None
-        async for event in self.reply.sse():
-            yield event
 
     def calls(self) -> list[Call]:
         if self.reply.failed:

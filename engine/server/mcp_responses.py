@@ -10,7 +10,7 @@ import json
 import time
 
 from engine.server.errors import APIError, shown
-from engine.server.mcp_rounds import Call, relaxed, rounds, sse_parts
+from engine.server.mcp_rounds import OVER_LIMIT, Call, StartedRounds, relaxed, rounds, sse_parts
 from engine.server.mcp_tools import configured, list_selected, openai_selection
 from engine.server.omitted import omitted_header
 from engine.server.responses import check_nothing_stored, start_reply
@@ -39,7 +39,7 @@ def _tool_choice(choice, named: dict):
                    param="tool_choice")
 
 
-class ResponsesConversation:
+class ResponsesConversation(StartedRounds):
     no_tools = "none"
     relaxed = staticmethod(relaxed)
 
@@ -47,19 +47,11 @@ class ResponsesConversation:
         self.req, self.state, self.tools = req, state, tools
         self.items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) \
             else list(req.input)
-        self.reply = self.pending = None
 
     async def begin(self, tool_choice) -> None:
         """Starts the first round before the answer does, so what the request cannot do is its status code."""
         update = {"input": self.items, "tools": self.tools, "tool_choice": tool_choice, "stream": True}
         self.pending = await start_reply(self.req.model_copy(update=update), self.state)
-
-    async def round(self, tool_choice):
-        if self.pending is None:
-            await self.begin(tool_choice)
-        self.reply, self.pending = self.pending, None
-        async for event in self.reply.sse():
-            yield event
 
     def calls(self) -> list[Call]:
         if self.reply.status == "failed":
@@ -68,8 +60,6 @@ class ResponsesConversation:
                      else "", item.get("arguments") or "") for item in self.reply.output if item["type"] in _CALL_ITEMS]
 
     def add(self, calls: list[Call], done: list[dict | None]) -> None:
-        from engine.server.mcp_rounds import OVER_LIMIT
-
         self.items += self.reply.output
         self.items += [{"type": "function_call_output", "call_id": call.id, "output": ran["output"] if ran
                         else OVER_LIMIT} for call, ran in zip(calls, done)]

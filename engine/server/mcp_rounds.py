@@ -40,6 +40,22 @@ class Conversation(Protocol):
         """The tool choice after a round of calls: a forced call is not forced again."""
 
 
+class StartedRounds:
+    """What the Responses and Messages conversations share: the first round is started (`begin`) before the answer
+    goes out, so a request the engine refuses gets its status code; later rounds start when they run."""
+    reply = pending = None
+
+    async def begin(self, tool_choice) -> None:
+        raise NotImplementedError
+
+    async def round(self, tool_choice):
+        if self.pending is None:
+            await self.begin(tool_choice)
+        self.reply, self.pending = self.pending, None
+        async for event in self.reply.sse():
+            yield event
+
+
 def relaxed(choice):
     """The tool choice after a round of calls: a forced call is not forced again."""
     return "auto" if choice == "required" or isinstance(choice, dict) else choice
