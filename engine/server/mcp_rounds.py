@@ -43,10 +43,7 @@ class Conversation(Protocol):
 class StartedRounds:
     """What the Responses and Messages conversations share: the first round is started (`begin`) before the answer
     goes out, so a request the engine refuses gets its status code; later rounds start when they run."""
-    reply = pending = None
-
-    async def begin(self, tool_choice) -> None:
-        raise NotImplementedError
+    reply = pending = None  # a subclass's `begin(tool_choice)` sets `pending` to its API's started reply
 
     async def round(self, tool_choice):
         if self.pending is None:
