@@ -357,6 +357,31 @@ inline void store8(at::BFloat16* p, __m256 v) {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// columns k0 .. k1 (one group, 32 a step) of a row of codes as bfloat16 in `out`, 32 values an instruction: with
+// float16 scales and mins every value is zero or a normal float32 (a multiple of 2^-24), which vcvtne2ps2bf16 rounds
+// as torch does (to nearest, ties to even; it would flush subnormals, of which there are none)
+inline void dequant32_bf16(const uint8_t* row, bool four, float d, float m, bool has_m, float offset, int64_t k0,
+                           int64_t k1, at::BFloat16* out) {
+  const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m), off = _mm512_set1_ps(offset);
+  for (int64_t k = k0; k < k1; k += 32) {
+    __m512i lo, hi;  // codes k .. k + 15 and k + 16 .. k + 31 as int32
+    if (four) {
+      const __m128i p = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2)), mask = _mm_set1_epi8(0x0F);
+      const __m128i l = _mm_and_si128(p, mask), h = _mm_and_si128(_mm_srli_epi16(p, 4), mask);
+      lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(l, h)), hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(l, h));
+    } else {
+      lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k)));
+      hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16)));
+    }
+    __m512 a = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(lo), off), dv);
+    __m512 b = _mm512_mul_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(hi), off), dv);
+    if (has_m) a = _mm512_add_ps(a, mv), b = _mm512_add_ps(b, mv);
+    _mm512_storeu_si512(out + k, (__m512i)_mm512_cvtne2ps_pbh(b, a));  // b's values to the upper half
+  }
+}
+#endif
+
 template <typename S, typename O>
 void dequant_rows(const uint8_t* cp, const S* dp, const S* mp, bool four, bool sym, int64_t K, int64_t G, int64_t n0,
                   int64_t n1, O* out) {
@@ -367,6 +392,13 @@ void dequant_rows(const uint8_t* cp, const S* dp, const S* mp, bool four, bool s
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = cp + n * row_bytes;
     for (int64_t g = 0; g < groups; ++g) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if constexpr (std::is_same_v<S, at::Half> && std::is_same_v<O, at::BFloat16>) {
+        dequant32_bf16(row, four, as_float(dp[n * groups + g]), mp ? as_float(mp[n * groups + g]) : 0.f, mp != nullptr,
+                       offset, g * G, (g + 1) * G, out + n * K);
+        continue;
+      }
+#endif
 #if defined(__AVX2__)
       const __m256 dv = _mm256_set1_ps(as_float(dp[n * groups + g])), off = _mm256_set1_ps(offset);
       const __m256 mv = _mm256_set1_ps(mp ? as_float(mp[n * groups + g]) : 0.f);

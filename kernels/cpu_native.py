@@ -1,6 +1,6 @@
 """CPU kernels in C++ (kernels/cpu_native.cpp, cpu_output.cpp, cpu_dense.cpp, cpu_decode.cpp, cpu_moe.cpp,
-cpu_hybrid.cpp, cpu_vnni.cpp: one translation unit each, what they share declared in cpu_kernels.h), built on first use for the
-machine they run on into one library.
+cpu_hybrid.cpp, cpu_vnni.cpp, cpu_moe_prompt.cpp: one translation unit each, what they share declared in
+cpu_kernels.h), built on first use for the machine they run on into one library.
 
 * `q8_linear(x, qw)`: y = x @ dequantize(qw).T in float32 for grouped int8 weights (codes c, float32 scales d and
   optional mins m per group: w = c*d + m), reading the 1-byte codes once for up to four rows of x. Only the summation
@@ -44,7 +44,7 @@ from kernels.quant import QuantizedWeight
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = [os.path.join(_HERE, name)  # one translation unit each, linked into one library
            for name in ("cpu_native.cpp", "cpu_output.cpp", "cpu_dense.cpp", "cpu_decode.cpp", "cpu_moe.cpp",
-                        "cpu_hybrid.cpp", "cpu_vnni.cpp")]
+                        "cpu_hybrid.cpp", "cpu_vnni.cpp", "cpu_moe_prompt.cpp")]
 HEADERS = [os.path.join(_HERE, "cpu_kernels.h")]
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -117,6 +117,7 @@ def ready() -> str | None:
         _state["gemv_isa"] = torch.ops.ninfer_cpu.gemv_isa.default
         _state["gemv_widest"] = int(_state["gemv_isa"](-1))
         _state["gemv_split"] = torch.ops.ninfer_cpu.gemv_split.default
+        _state["moe_prompt"] = torch.ops.ninfer_cpu.moe_prompt.default
         _register_shapes()
     except Exception as e:  # no compiler or ninja, a compile error: the caller falls back
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
@@ -253,6 +254,11 @@ def decode_step_op():
 def hybrid_step_op():
     """kernels/cpu_hybrid.cpp's hybrid_step (engine/model/cpu_hybrid.py calls it); `loaded()` must be true."""
     return _state["hybrid_step"]
+
+
+def moe_prompt_op():
+    """kernels/cpu_moe_prompt.cpp's moe_prompt (engine/model/moe_prompt.py calls it); `loaded()` must be true."""
+    return _state["moe_prompt"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

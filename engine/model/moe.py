@@ -10,7 +10,8 @@ Compute reads only what the tokens use. Where Triton runs (CUDA; the interpreter
 two launches of kernels/moe.py over the layer's experts stacked once (`stack_linears`: each expert's Linear then views
 into the stack, no second copy). Elsewhere, and for experts in host memory: one token runs its k experts; a batch of
 tokens is grouped by expert, one matmul per expert that any token picked, its rows scattered back weighted
-(index_add), never one per token."""
+(index_add), never one per token; on the CPU, where the kernel computes what that loop does, in one C++ call
+(engine/model/moe_prompt.py)."""
 from __future__ import annotations
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from engine.model.config import ModelConfig
 from engine.model.layers import silu_and_mul
 from engine.model.linear import Linear, Weight, fuse
+from engine.model.moe_prompt import prompt_operands, routed_prompt
 from kernels import dispatch
 from kernels.quant import QuantizedWeight, row_slice
 
@@ -154,7 +156,14 @@ class MoEMLP:
     def _routed(self, h: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not self.host and dispatch.use_triton(h.device) and self.stack_experts():
             return dispatch.fused_moe(h, *self.stacks, weights, ids)
-        return self._one_token(h, weights, ids) if h.shape[0] == 1 else self._grouped(h, weights, ids)
+        if h.shape[0] == 1:
+            return self._one_token(h, weights, ids)
+        if h.device.type == "cpu" and h.dtype == torch.float32 and not dispatch.use_triton(h.device) \
+                and all(type(x) is Expert for x in self.experts):  # the kernel computes what Expert computes
+            operands = prompt_operands(self.experts)
+            if operands is not None:
+                return routed_prompt(h, weights, ids, operands)
+        return self._grouped(h, weights, ids)
 
     def _shared(self, h: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(F.linear(h.float(), self.shared_gate)).to(h.dtype) * self.shared(h)
