@@ -15,6 +15,7 @@ from engine.sampling import SamplingParams
 from engine.speculative.draft import TokenizerMismatchError
 from engine.speculative.ngram import NgramIndex
 from engine.speculative.adaptive import PAUSE_STEPS, SpecState, StepCosts, best_length, expected_tokens
+from tests.engine.helpers import run_concurrently
 from tests.engine.spec_models import add_mtp, swap_tokenizer_ids, tiny_folder
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], list(range(2, 60)), [9, 40, 3, 9, 40, 3, 77] * 3]
@@ -449,15 +450,16 @@ def test_ngram_on_the_default_model_is_lossless_on_three_kinds_of_content(defaul
     base, spec = default_fp32_engine.engine, ngram_engine
     spec.speculator.adaptive = False  # draft wherever something matches, so every prompt is verified
     tok = default_fp32_engine.tokenizer
+    params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    prompts = {name: tok.apply_chat_template([{"role": "user", "content": text}]) for name, text in CONTENT.items()}
+    plain = dict(zip(prompts, (out for out, _ in run_concurrently(base, list(prompts.values()), [params] * 3))))
     try:
         rates = {}
-        for content, text in CONTENT.items():
-            prompt = tok.apply_chat_template([{"role": "user", "content": text}])
-            params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+        for content, prompt in prompts.items():
             before = spec.stats()
             ours = spec.generate(prompt, params)
             after = spec.stats()
-            assert ours == base.generate(prompt, params), content
+            assert ours == plain[content], content
             drafted = after["spec_drafted"] - before["spec_drafted"]
             assert drafted > 0, content
             rates[content] = (after["spec_accepted"] - before["spec_accepted"]) / drafted
