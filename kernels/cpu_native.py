@@ -34,10 +34,16 @@ about a second. `ready()` says why where it cannot be built or loaded (callers f
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 from kernels.quant import QuantizedWeight
 
@@ -93,6 +99,26 @@ def build_key(source: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def build_lock(folder: str | None):
+    """One builder of a build folder at a time, by an flock the system releases when its holder dies. torch's own
+    lock file there (`lock`, which cpp_extension waits on forever) outlives a builder that was killed mid-build; a
+    process holding the flock knows that no live builder left it, so it removes it. Without flock (or a folder of
+    torch's choosing): torch's lock alone."""
+    if folder is None or fcntl is None:
+        yield
+        return
+    with open(os.path.join(folder, "builder.flock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            stale = os.path.join(folder, "lock")
+            if os.path.exists(stale):
+                os.remove(stale)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def ready() -> str | None:
     """None once the kernel is loaded (built now, or loaded from an earlier build); else why it is not available."""
     if "op" in _state or "error" in _state:
@@ -105,8 +131,9 @@ def ready() -> str | None:
         key, folder = _this_build()
         if folder is not None:
             os.makedirs(folder, exist_ok=True)
-        load(f"ninfer_cpu_{key}", sources=SOURCES, extra_include_paths=[_HERE], is_python_module=False,
-             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=folder)
+        with build_lock(folder):
+            load(f"ninfer_cpu_{key}", sources=SOURCES, extra_include_paths=[_HERE], is_python_module=False,
+                 extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=folder)
         _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
         _state["lowbit"] = torch.ops.ninfer_cpu.lowbit_linear.default
         _state["rms_norm"] = torch.ops.ninfer_cpu.rms_norm.default
