@@ -18,7 +18,9 @@ MAX_TOKENS = 64
 
 
 @pytest.mark.subprocess
-def test_codex_and_claude_code_each_finish_a_turn():
+def test_codex_and_claude_code_each_finish_a_turn(cpp_kernels):
+    # cpp_kernels: the C++ library built here first, so the server the script starts loads it from the kernel cache
+    # instead of building it within the script's two minutes of waiting for the server (and being killed mid-build)
     if not (shutil.which("node") and shutil.which("npm")):
         pytest.skip("node and npm are not installed")
     if subprocess.run(["npm", "view", "@openai/codex", "version"], capture_output=True, timeout=60).returncode:
