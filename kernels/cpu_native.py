@@ -119,6 +119,30 @@ def build_lock(folder: str | None):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def sources_in(folder: str | None) -> tuple[list[str], str]:
+    """(sources, include folder) to build from: copies of the sources and header in `folder`/src (the key says they
+    are these very files), so that every checkout of the project writes the same build.ninja into the shared build
+    folder (torch writes the paths it is given there; another path would make ninja rebuild everything). Copied
+    only where a file differs, under the build lock. Without a folder of our own: the files where they are."""
+    if folder is None:
+        return SOURCES, _HERE
+    src = os.path.join(folder, "src")
+    os.makedirs(src, exist_ok=True)
+    for path in SOURCES + HEADERS:
+        copy = os.path.join(src, os.path.basename(path))
+        with open(path, "rb") as f:
+            data = f.read()
+        if os.path.isfile(copy):
+            with open(copy, "rb") as f:
+                if f.read() == data:
+                    continue
+        with open(copy + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(copy + ".tmp", copy)
+    return [os.path.join(src, os.path.basename(p)) for p in SOURCES], src
+
+
+
 def ready() -> str | None:
     """None once the kernel is loaded (built now, or loaded from an earlier build); else why it is not available."""
     if "op" in _state or "error" in _state:
@@ -132,7 +156,8 @@ def ready() -> str | None:
         if folder is not None:
             os.makedirs(folder, exist_ok=True)
         with build_lock(folder):
-            load(f"ninfer_cpu_{key}", sources=SOURCES, extra_include_paths=[_HERE], is_python_module=False,
+            sources, include = sources_in(folder)
+            load(f"ninfer_cpu_{key}", sources=sources, extra_include_paths=[include], is_python_module=False,
                  extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=folder)
         _state["op"] = torch.ops.ninfer_cpu.q8_linear.default
         _state["lowbit"] = torch.ops.ninfer_cpu.lowbit_linear.default
