@@ -139,8 +139,7 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
                        const at::Tensor& state_slots, const at::Tensor& cos, const at::Tensor& sin,
                        const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& page_table,
                        const at::Tensor& ctx_lens, at::IntArrayRef dims, double eps_,
-                       const c10::List<std::optional<at::Tensor>>& moe_weights, at::IntArrayRef moe_at,
-                       at::IntArrayRef moe_syms, at::IntArrayRef moe_dims) {
+                       const c10::intrusive_ptr<MoeLayers>& moe_layers) {
   TORCH_CHECK(dims.size() == 9, "hybrid_step: dims are (heads, kv_heads, head_dim, rotated, hk, hv, dk, dv, kernel)");
   const int64_t L = kinds.size(), B = x_.size(0), H = x_.size(1);
   TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat && x_.is_contiguous(),
@@ -192,26 +191,20 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
               "hybrid_step: the final norm must be float32 [hidden]");
   const float eps = static_cast<float>(eps_), scale = 1.f / std::sqrt(static_cast<float>(D));
 
-  const bool any_moe = std::any_of(moe_at.begin(), moe_at.end(), [](int64_t a) { return a >= 0; });
-  TORCH_CHECK(static_cast<int64_t>(moe_at.size()) == L && (!any_moe || moe_dims.size() == 3),
-              "hybrid_step: moe_at names each layer's first MoE entry (-1: a dense MLP); moe_dims (experts, top_k, "
-              "renormalise)");
+  TORCH_CHECK(static_cast<int64_t>(moe_layers->layers.size()) == L,
+              "hybrid_step: the MoE layers must name each decoder layer (", L, "), not ", moe_layers->layers.size());
+  const std::vector<MoeMlp>& moe = moe_layers->layers;
   std::vector<Linear> lin(4 * L);
-  std::vector<MoeMlp> moe(L);
-  int64_t widest = 0, inter = 0, moe_layers = 0;
+  int64_t widest = 0, inter = 0;
   for (int64_t l = 0; l < L; ++l) {
-    const bool gdn = kinds[l] == GDN, is_moe = moe_at[l] >= 0;
+    const bool gdn = kinds[l] == GDN, is_moe = moe[l].router != nullptr;
     const int64_t base = l * HYB_PER_LAYER;
     auto read = [&](int64_t at_, int j, int64_t in) {
       return read_linear(weights, base + at_, -1, syms[4 * l + j] != 0, in, "hybrid_step", l);
     };
     lin[4 * l] = read(HY_MIX_IN, 0, H);
     lin[4 * l + 1] = read(HY_MIX_OUT, 1, gdn ? g.value_dim : QS);
-    if (is_moe) {
-      const int64_t E = moe_dims[0];
-      moe[l] = read_moe(moe_weights, moe_at[l], moe_syms, moe_layers++ * (2 + 2 * E), E, moe_dims[1],
-                        moe_dims[2] != 0, H, l);
-    } else {
+    if (!is_moe) {
       lin[4 * l + 2] = read(HY_GU, 2, H);
       const int64_t li = lin[4 * l + 2].out / 2;
       TORCH_CHECK(lin[4 * l + 2].out % 2 == 0 && (!inter || li == inter), "hybrid_step: layer ", l, "'s MLP width");
@@ -283,9 +276,12 @@ at::Tensor hybrid_step(const at::Tensor& x_, const c10::List<std::optional<at::T
 }  // namespace ninfer
 
 TORCH_LIBRARY_FRAGMENT(ninfer_cpu, m) {
+  m.class_<ninfer::MoeLayers>("MoeLayers")  // registered before the schema below names it
+      .def(torch::init<c10::List<std::optional<at::Tensor>>, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>, int64_t>());
   m.def("hybrid_step(Tensor x, Tensor?[] weights, int[] kinds, int[] syms, Tensor final_norm, Tensor[] k_cache, "
         "Tensor[] v_cache, Tensor[] conv_states, Tensor[] ssm_states, Tensor state_slots, Tensor cos, Tensor sin, "
         "Tensor positions, Tensor slots, Tensor page_table, Tensor ctx_lens, int[] dims, float eps, "
-        "Tensor?[] moe_weights, int[] moe_at, int[] moe_syms, int[] moe_dims) -> Tensor");
+        "__torch__.torch.classes.ninfer_cpu.MoeLayers moe_layers) -> Tensor");
   m.impl("hybrid_step", c10::DispatchKey::CPU, &ninfer::hybrid_step);
 }

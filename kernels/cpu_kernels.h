@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -66,6 +67,10 @@ void wide_row(const Rows& xr, int64_t r0, int64_t r1, int64_t K, int64_t N, cons
 template <bool FOUR, typename S>
 void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp, const S* dp,
                 const S* mp, bool sym, float* yp);
+// weight rows n0 .. n1 of lowbit_all's product (the caller splits the rows among its threads)
+template <bool FOUR, typename S>
+void lowbit_span(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp, const S* dp,
+                 const S* mp, bool sym, float* yp, int64_t n0, int64_t n1);
 void check_lowbit(int64_t K, const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                   bool sym);
 void lowbit_into(const float* x, int64_t M, int64_t K, const at::Tensor& codes, const at::Tensor& scales,
@@ -112,6 +117,17 @@ struct Linear {
   }
 };
 
+// y [M, out] = rows xr (round_rows of M rows for lin: interleaved for 4-bit codes) @ W.T, for a low-bit `lin`
+struct LowbitJob {
+  const Linear* lin;
+  const Rows* xr;
+  int64_t M;
+  float* y;
+};
+// several low-bit GEMVs in one parallel region: the threads take chunks of every job's weight rows from one counter
+// (one fork and join for all, and no thread idles at the end of a small one); each value as lowbit_into computes it
+void lowbit_jobs(const std::vector<LowbitJob>& jobs);
+
 Linear read_linear(const c10::List<std::optional<at::Tensor>>& ws, int64_t at_, int64_t bias, bool sym, int64_t in,
                    const char* op, int64_t layer);
 void check_rows(const char* op, int64_t B, const at::Tensor& positions, const at::Tensor& slots,
@@ -128,10 +144,20 @@ struct MoeMlp {
   std::vector<Linear> gu, down;  // per expert: [2 I, H], [H, I]
   int64_t experts = 0, top_k = 0, inter = 0, shared_inter = 0;
   bool renorm = true;
+  bool lowbit = false;  // every expert linear (the shared one too) has low-bit codes and no bias: lowbit_jobs runs them
 };
 
 MoeMlp read_moe(const c10::List<std::optional<at::Tensor>>& ws, int64_t at_, at::IntArrayRef syms, int64_t sym_at,
                 int64_t E, int64_t k, bool renorm, int64_t H, int64_t layer);
 void moe_rows(const MoeMlp& m, const float* h, int64_t B, int64_t H, float* r);
+
+// a model's MoE layers read once (read_moe of each), for every decode step after: a step then converts none of the
+// thousands of expert tensors from Python (torch.classes.ninfer_cpu.MoeLayers; hybrid_step takes it)
+struct MoeLayers : torch::CustomClassHolder {
+  c10::List<std::optional<at::Tensor>> weights;  // held: the layers point into them
+  std::vector<MoeMlp> layers;                    // one a decoder layer; a dense MLP's has no router
+  MoeLayers(c10::List<std::optional<at::Tensor>> ws, std::vector<int64_t> at, std::vector<int64_t> syms,
+            std::vector<int64_t> dims, int64_t hidden);
+};
 
 }  // namespace ninfer

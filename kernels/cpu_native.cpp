@@ -17,30 +17,73 @@ constexpr int64_t M_BLOCK = 64;  // rows of x a pass over the weight rows takes 
 // interleaved (4-bit codes): a block's rounded values are stored evens first, then odds, the order its nibbles unpack in
 // wide: a pair of blocks holds [first half of block 2p, of 2p + 1, second half of 2p, of 2p + 1] (halves: evens and
 // odds when interleaved, else values 0-15 and 16-31); a row's last block, when its count is odd, [first, second half]
+namespace {
+
+// one block's largest magnitude and sum, and its values times inv rounded to nearest (ties to even), clamped to
+// +-32767, in their own order
+#ifdef NINFER_AVX2_F16C
+inline float block_stats(const float* xb, float& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 a0 = _mm256_loadu_ps(xb), a1 = _mm256_loadu_ps(xb + 8), a2 = _mm256_loadu_ps(xb + 16),
+               a3 = _mm256_loadu_ps(xb + 24);
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a0), _mm256_andnot_ps(sign, a1)),
+                            _mm256_max_ps(_mm256_andnot_ps(sign, a2), _mm256_andnot_ps(sign, a3)));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  return _mm_cvtss_f32(m);
+}
+
+inline void block_round(const float* xb, float inv, int16_t* v) {
+  const __m256 iv = _mm256_set1_ps(inv);
+  const __m256i hi = _mm256_set1_epi32(32767), lo = _mm256_set1_epi32(-32767);
+  for (int h = 0; h < QB; h += 16) {
+    auto q = [&](int o) {
+      const __m256i t = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + h + o), iv));
+      return _mm256_min_epi32(hi, _mm256_max_epi32(lo, t));
+    };
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q(0), q(8)), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + h), p);
+  }
+}
+#else
+inline float block_stats(const float* xb, float& sum) {
+  float amax = 0.f, s = 0.f;
+  for (int j = 0; j < QB; ++j) amax = std::max(amax, std::abs(xb[j])), s += xb[j];
+  sum = s;
+  return amax;
+}
+
+inline void block_round(const float* xb, float inv, int16_t* v) {
+  for (int j = 0; j < QB; ++j)
+    v[j] = static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, std::nearbyint(xb[j] * inv))));
+}
+#endif
+
+}  // namespace
+
 void round_rows(const float* x, int64_t M, int64_t K, bool interleaved, Rows& r, bool wide) {
   const int64_t B = K / QB, blocks = M * B;
   r.q.resize(M * K);
   r.dx.resize(blocks);
   r.sx.resize(blocks);
   r.wide = wide;
+  int16_t v[QB];
   for (int64_t i = 0; i < blocks; ++i) {
     const float* xb = x + i * QB;
-    float amax = 0.f, s = 0.f;
-    for (int j = 0; j < QB; ++j) {
-      amax = std::max(amax, std::abs(xb[j]));
-      s += xb[j];
-    }
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    const float amax = block_stats(xb, r.sx[i]);
     r.dx[i] = amax / 32767.f;
-    r.sx[i] = s;
+    block_round(xb, amax > 0.f ? 32767.f / amax : 0.f, v);
     const int64_t o = (i % B) & 1;  // wide: the second block of its pair
     const bool pair = wide && !((B & 1) && i % B == B - 1);
     int16_t* qb = r.q.data() + (pair ? (i - o) * QB + o * (QB / 2) : i * QB);
     const int64_t stride = pair ? QB : QB / 2;  // from a block's first half to its second
-    for (int j = 0; j < QB; ++j) {
-      const float v = std::min(32767.f, std::max(-32767.f, std::nearbyint(xb[j] * inv)));
-      const int half = interleaved ? j & 1 : j / (QB / 2), at = interleaved ? j / 2 : j % (QB / 2);
-      qb[half * stride + at] = static_cast<int16_t>(v);
+    if (interleaved) {
+      for (int j = 0; j < QB / 2; ++j) qb[j] = v[2 * j], qb[stride + j] = v[2 * j + 1];
+    } else {
+      std::copy(v, v + QB / 2, qb);
+      std::copy(v + QB / 2, v + QB, qb + stride);
     }
   }
 }
@@ -221,14 +264,14 @@ void lowbit_rows_g32(const int16_t* q, const float* dx, const float* sx, int64_t
 }
 #endif
 
+// weight rows n0 .. n1 of y [M, N] = rows xr @ W.T (lowbit_all's work, split by the caller among its threads)
 template <bool FOUR, typename S>
-void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp, const S* dp,
-                const S* mp, bool sym, float* yp) {
+void lowbit_span(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp, const S* dp,
+                 const S* mp, bool sym, float* yp, int64_t n0, int64_t n1) {
   const int64_t groups = K / G, row_bytes = FOUR ? K / 2 : K;
   // rows of x in blocks of M_BLOCK (their int16 values stay in L2) when the groups are the blocks; else all at once
   const int64_t m_step = G == QB ? M_BLOCK : std::max<int64_t>(M, 1);
-  auto run = [&](int64_t n0, int64_t n1) {
-   for (int64_t r0 = 0; r0 < M; r0 += m_step) {
+  for (int64_t r0 = 0; r0 < M; r0 += m_step) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* c = cp + n * row_bytes;
       const S *d = dp + n * groups, *m = mp ? mp + n * groups : nullptr;
@@ -272,8 +315,22 @@ void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, cons
       for (; r + ROWS <= M; r += ROWS) lowbit_rows<ROWS, FOUR, S>(xr, r, K, G, c, d, m, sym, yp + r * N + n, N);
       for (; r < M; ++r) lowbit_rows<1, FOUR, S>(xr, r, K, G, c, d, m, sym, yp + r * N + n, N);
     }
-   }
-  };
+  }
+}
+
+template void lowbit_span<true, float>(const Rows&, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const float*,
+                                       const float*, bool, float*, int64_t, int64_t);
+template void lowbit_span<true, at::Half>(const Rows&, int64_t, int64_t, int64_t, int64_t, const uint8_t*,
+                                          const at::Half*, const at::Half*, bool, float*, int64_t, int64_t);
+template void lowbit_span<false, float>(const Rows&, int64_t, int64_t, int64_t, int64_t, const uint8_t*, const float*,
+                                        const float*, bool, float*, int64_t, int64_t);
+template void lowbit_span<false, at::Half>(const Rows&, int64_t, int64_t, int64_t, int64_t, const uint8_t*,
+                                           const at::Half*, const at::Half*, bool, float*, int64_t, int64_t);
+
+template <bool FOUR, typename S>
+void lowbit_all(const Rows& xr, int64_t M, int64_t K, int64_t N, int64_t G, const uint8_t* cp, const S* dp,
+                const S* mp, bool sym, float* yp) {
+  auto run = [&](int64_t n0, int64_t n1) { lowbit_span<FOUR, S>(xr, M, K, N, G, cp, dp, mp, sym, yp, n0, n1); };
   if (!gemv_dynamic()) {
     at::parallel_for(0, N, 16, run);  // one contiguous share per thread
     return;

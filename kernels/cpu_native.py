@@ -308,6 +308,12 @@ def hybrid_step_op():
     return _state["hybrid_step"]
 
 
+def moe_layers(weights: list, moe_at: list[int], syms: list[int], dims: list[int], hidden: int):
+    """A model's MoE layers for hybrid_step, read and checked once (kernels/cpu_moe.cpp's MoeLayers: a step then
+    converts none of the expert tensors again); `loaded()` must be true. Raises RuntimeError naming what is wrong."""
+    return torch.classes.ninfer_cpu.MoeLayers(weights, moe_at, syms, dims, hidden)
+
+
 def moe_prompt_op():
     """kernels/cpu_moe_prompt.cpp's moe_prompt (engine/model/moe_prompt.py calls it); `loaded()` must be true."""
     return _state["moe_prompt"]

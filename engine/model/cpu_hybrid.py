@@ -92,6 +92,8 @@ class HybridDecode(FusedDecode):
         self.moe_dims = [] if m is None else [m.num_experts, m.top_k, int(m.norm_topk)]
         self.conv_states = [t["conv"] for t in self.state.layers]  # the pool's tensors, allocated once
         self.ssm_states = [t["ssm"] for t in self.state.layers]
+        self.moe_layers = cpu_native.moe_layers(self.moe_weights, self.moe_at, self.moe_syms, self.moe_dims,
+                                                cfg.hidden_size)
         self.op = cpu_native.hybrid_step_op()
         self.steps = 0
 
@@ -99,7 +101,7 @@ class HybridDecode(FusedDecode):
         rotary = self.model.rotary
         return self.op(x, self.weights, self.kinds, self.syms, self.norm, self.kv.k, self.kv.v, self.conv_states,
                        self.ssm_states, torch.tensor(state_slots), rotary.cos, rotary.sin, positions, slots, table,
-                       ctx, self.dims, self.eps, self.moe_weights, self.moe_at, self.moe_syms, self.moe_dims)
+                       ctx, self.dims, self.eps, self.moe_layers)
 
 
 def make(runner) -> FusedDecode | None:

@@ -171,7 +171,7 @@ def test_bad_operands_are_refused_with_a_reason(checkpoint):
                     [t["conv"] for t in layers], ssm or [t["ssm"] for t in layers], torch.tensor([state_slot]),
                     model.rotary.cos, model.rotary.sin, torch.tensor([0]), torch.tensor([0]),
                     torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32), f.dims, f.eps,
-                    f.moe_weights, f.moe_at, f.moe_syms, f.moe_dims)
+                    f.moe_layers)
 
     assert call().shape == (1, model.cfg.hidden_size)
     with pytest.raises(RuntimeError, match="18 weights"):

@@ -14,6 +14,7 @@ from engine.memory.kv.table import PageList
 from engine.memory.state import SeqState
 from engine.model import cpu_hybrid
 from engine.runner import Work
+from kernels import cpu_native
 from tests.engine.helpers import rel_err
 from tests.engine.qwen35_moe_models import tiny_moe_checkpoint, tiny_qwen3_next_moe
 from tests.engine.test_cpu_hybrid import PAGE, build, forced, runner, tokens
@@ -89,20 +90,23 @@ def test_bad_moe_operands_are_refused_with_a_reason(moe):
     f = cpu_hybrid.HybridDecode(runner(model, False))
     model.rotary._extend(16)
 
-    def call(moe_weights=f.moe_weights, moe_at=f.moe_at, moe_dims=f.moe_dims):
+    def call(moe_layers=f.moe_layers):
         layers = f.state.layers
         return f.op(torch.zeros(1, model.cfg.hidden_size), f.weights, f.kinds, f.syms, f.norm, f.kv.k, f.kv.v,
                     [t["conv"] for t in layers], [t["ssm"] for t in layers], torch.tensor([0]),
                     model.rotary.cos, model.rotary.sin, torch.tensor([0]), torch.tensor([0]),
                     torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32), f.dims, f.eps,
-                    moe_weights, moe_at, f.moe_syms, moe_dims)
+                    moe_layers)
+
+    def layers(moe_weights=f.moe_weights, moe_at=f.moe_at, moe_dims=f.moe_dims):
+        return cpu_native.moe_layers(moe_weights, moe_at, f.moe_syms, moe_dims, model.cfg.hidden_size)
 
     assert call().shape == (1, model.cfg.hidden_size)
-    with pytest.raises(RuntimeError, match="moe_at names each layer"):
-        call(moe_at=f.moe_at[:-1])
+    with pytest.raises(RuntimeError, match="must name each decoder layer"):
+        call(layers(moe_at=f.moe_at[:-1]))
     with pytest.raises(RuntimeError, match="top_k must lie"):
-        call(moe_dims=[7, 8, 1])
+        layers(moe_dims=[7, 8, 1])
     with pytest.raises(RuntimeError, match="lacks entries"):
-        call(moe_weights=f.moe_weights[:-6])
+        layers(moe_weights=f.moe_weights[:-6])
     with pytest.raises(RuntimeError, match="router"):
-        call(moe_weights=[f.moe_weights[0][:, :-1].contiguous()] + f.moe_weights[1:])
+        layers(moe_weights=[f.moe_weights[0][:, :-1].contiguous()] + f.moe_weights[1:])
