@@ -2,7 +2,7 @@
 the default model's tokenizer: a second model for `ninfer-bench --compare llama.cpp` that needs no download.
 
     python scripts/make_bench_gguf.py /tmp/bench-0.4b.gguf            # ~0.4B: hidden 1024, 24 layers
-    ninfer-bench --model /tmp/bench-0.4b.gguf --weight-dtype auto --compare llama.cpp
+    ninfer-bench /tmp/bench-0.4b.gguf --weight-dtype auto --compare llama.cpp
 
 The weights are random (normal, std 0.02; norms 1), so its text is noise; what it measures is the speed of reading
 and multiplying a model of that shape and those types. Default mix (`--mix`): Q4_0 for the attention q/k/o and the

@@ -4,7 +4,7 @@ that needs no download.
 
     python scripts/make_moe_gguf.py /tmp/moe-1b-q8_0.gguf                 # ~1.0B total, ~0.2B active, Q8_0
     python scripts/make_moe_gguf.py /tmp/moe-1b-q4_0.gguf --type Q4_0     # the same weights in Q4_0
-    ninfer-bench --model /tmp/moe-1b-q8_0.gguf --weight-dtype auto --compare llama.cpp
+    ninfer-bench /tmp/moe-1b-q8_0.gguf --weight-dtype auto --compare llama.cpp
 
 Default shape (every width a multiple of 32): hidden 1024, 16 layers in the 3 Gated-DeltaNet : 1 gated attention
 pattern (`full_attention_interval` 4), GDN 4 key / 8 value heads x 128, attention 8 query / 2 KV heads x 128 (rope
