@@ -142,7 +142,6 @@ def sources_in(folder: str | None) -> tuple[list[str], str]:
     return [os.path.join(src, os.path.basename(p)) for p in SOURCES], src
 
 
-
 def ready() -> str | None:
     """None once the kernel is loaded (built now, or loaded from an earlier build); else why it is not available."""
     if "op" in _state or "error" in _state:
